@@ -1,0 +1,6 @@
+//! Safetensors checkpoints on disk: validated memory-mapped reading and atomic sharded writing.
+pub mod reader;
+pub mod writer;
+
+pub use reader::{Checkpoint, Dtype, TensorEntry};
+pub use writer::{OutputDir, TensorSpec};

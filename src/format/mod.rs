@@ -1,0 +1,43 @@
+//! On-disk formats: GPTQ bit packing and the Marlin tile layout.
+//!
+//! Pure, bit-exact transforms between dense code matrices and the words checkpoints store; no I/O.
+//! Codes are always `[K, N]` row-major (`K` = in_features, `N` = out_features), the transposed
+//! layout both GPTQ and Marlin pack. [`pack`] covers GPTQ `qweight`/`qzeros` (spec
+//! `gptq-and-marlin.md` B), [`marlin`] the Marlin `B` tiles and scale permutations (spec C).
+
+pub mod marlin;
+pub mod pack;
+
+pub use marlin::{
+    check_marlin_shape, gptq_codes_to_marlin, marlin_sort_indices, marlin_to_gptq_codes,
+    pack_marlin, permute_scales, unpack_marlin, unpermute_scales, MarlinWeight,
+};
+pub use pack::{
+    dequantize_gptq, f16_le_bytes_to_f32, f32_to_f16_le_bytes, i32_to_le_bytes, le_bytes_to_i32,
+    pack_qweight, pack_qzeros, unpack_qweight, unpack_qzeros, GptqTensors,
+};
+
+/// Deterministic xorshift64 for the format tests (no rand dependency).
+#[cfg(test)]
+pub(crate) mod test_rng {
+    pub(crate) struct XorShift(u64);
+
+    impl XorShift {
+        pub(crate) fn new(seed: u64) -> Self {
+            // xorshift never leaves the all-zero state, so a zero seed is moved off it.
+            Self(seed.max(1))
+        }
+
+        pub(crate) fn next_u64(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+
+        /// Uniform enough in `0..bound` for test data (`bound` is tiny next to 2^64).
+        pub(crate) fn below(&mut self, bound: u32) -> u32 {
+            (self.next_u64() % u64::from(bound)) as u32
+        }
+    }
+}

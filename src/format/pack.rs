@@ -1,0 +1,485 @@
+//! GPTQ bit packing (spec `gptq-and-marlin.md` B.1, B.2): `qweight` packed along K, `qzeros` packed
+//! along N, both LSB-first in 32-bit words stored as the int32 bit pattern, plus the reference
+//! dequantization and the byte conversions safetensors needs.
+//!
+//! Codes and dequantized weights use the transposed layout GPTQ stores: `[K, N]` row-major, element
+//! `[k][n]` belongs to `W[n][k]` of the PyTorch `nn.Linear.weight` `[N, K]`.
+
+use anyhow::{bail, ensure, Context, Result};
+use half::f16;
+use rayon::prelude::*;
+
+/// How many `bits`-wide codes one 32-bit word holds; refuses widths GPTQ packs differently.
+fn codes_per_word(bits: u8) -> Result<usize> {
+    match bits {
+        2 | 4 | 8 => Ok(32 / bits as usize),
+        // 3-bit GPTQ spreads 32 codes over 3 words with codes straddling word boundaries.
+        3 => bail!("3-bit GPTQ packing is not supported (use 2, 4 or 8 bits)"),
+        _ => bail!("GPTQ packing supports 2, 4 or 8 bits, got {bits}"),
+    }
+}
+
+fn max_code(bits: u8) -> u32 {
+    (1u32 << bits) - 1
+}
+
+/// Packs codes `[K, N]` into `qweight` `[K·bits/32, N]`:
+/// `word[r][n] = Σ_i code[r·per + i][n] << (bits·i)` with `per = 32/bits`.
+pub fn pack_qweight(codes: &[u8], k: usize, n: usize, bits: u8) -> Result<Vec<i32>> {
+    let per = codes_per_word(bits)?;
+    ensure!(
+        k % per == 0,
+        "qweight packing needs K to be a multiple of {per} for {bits}-bit codes, got K = {k}"
+    );
+    ensure!(
+        codes.len() == k * n,
+        "qweight packing got {} codes for a [K={k}, N={n}] matrix (expected {})",
+        codes.len(),
+        k * n
+    );
+    let maxq = max_code(bits);
+    if let Some(pos) = codes.iter().position(|&c| u32::from(c) > maxq) {
+        bail!(
+            "code {} at [k={}, n={}] does not fit {bits} bits (max {maxq})",
+            codes[pos],
+            pos / n,
+            pos % n
+        );
+    }
+    let mut words = vec![0i32; k / per * n];
+    words
+        .par_chunks_mut(n.max(1))
+        .enumerate()
+        .for_each(|(r, word_row)| {
+            for (col, word) in word_row.iter_mut().enumerate() {
+                let packed = (0..per).fold(0u32, |acc, i| {
+                    acc | (u32::from(codes[(r * per + i) * n + col]) << (bits as usize * i))
+                });
+                *word = packed as i32;
+            }
+        });
+    Ok(words)
+}
+
+/// Inverse of [`pack_qweight`]: `qweight` `[K·bits/32, N]` back to codes `[K, N]`.
+pub fn unpack_qweight(words: &[i32], k: usize, n: usize, bits: u8) -> Result<Vec<u8>> {
+    let per = codes_per_word(bits)?;
+    ensure!(
+        k % per == 0,
+        "qweight unpacking needs K to be a multiple of {per} for {bits}-bit codes, got K = {k}"
+    );
+    ensure!(
+        words.len() == k / per * n,
+        "qweight of a [K={k}, N={n}] {bits}-bit matrix must hold {} words, got {}",
+        k / per * n,
+        words.len()
+    );
+    let maxq = max_code(bits);
+    let mut codes = vec![0u8; k * n];
+    codes
+        .par_chunks_mut((per * n).max(1))
+        .zip(words.par_chunks(n.max(1)))
+        .for_each(|(code_rows, word_row)| {
+            for (col, &word) in word_row.iter().enumerate() {
+                for i in 0..per {
+                    code_rows[i * n + col] = ((word as u32 >> (bits as usize * i)) & maxq) as u8;
+                }
+            }
+        });
+    Ok(codes)
+}
+
+/// Packs real zero points `[groups, N]` into `qzeros` `[groups, N·bits/32]` (packed along N).
+///
+/// `v1` (`checkpoint_format: "gptq"`) stores `zero − 1`, so sym 4-bit gives `0x77777777` in every
+/// word. A zero of 0 has no v1 encoding: it is refused rather than borrowed from the neighbouring
+/// code as GPTQModel's v2→v1 word subtraction does, because readers would then load different
+/// zeros than the quantizer used. Asymmetric checkpoints with such zeros need `gptq_v2`.
+pub fn pack_qzeros(zeros: &[u8], groups: usize, n: usize, bits: u8, v1: bool) -> Result<Vec<i32>> {
+    let per = codes_per_word(bits)?;
+    ensure!(
+        n % per == 0,
+        "qzeros packing needs N to be a multiple of {per} for {bits}-bit zeros, got N = {n}"
+    );
+    ensure!(
+        zeros.len() == groups * n,
+        "qzeros packing got {} zeros for [groups={groups}, N={n}] (expected {})",
+        zeros.len(),
+        groups * n
+    );
+    let maxq = max_code(bits);
+    for (pos, &zero) in zeros.iter().enumerate() {
+        let (group, col) = (pos / n, pos % n);
+        ensure!(
+            u32::from(zero) <= maxq,
+            "zero point {zero} at [group={group}, n={col}] does not fit {bits} bits (max {maxq})"
+        );
+        ensure!(
+            !(v1 && zero == 0),
+            "zero point 0 at [group={group}, n={col}] cannot be stored in GPTQ v1 qzeros (v1 \
+             stores zero - 1, which would be -1); this happens with asymmetric quantization: \
+             write checkpoint_format \"gptq_v2\" instead"
+        );
+    }
+    let stored_offset = u32::from(v1);
+    let words = zeros
+        .chunks(per)
+        .map(|chunk| {
+            let packed = chunk.iter().enumerate().fold(0u32, |acc, (i, &zero)| {
+                acc | ((u32::from(zero) - stored_offset) << (bits as usize * i))
+            });
+            packed as i32
+        })
+        .collect();
+    Ok(words)
+}
+
+/// Inverse of [`pack_qzeros`]: real zero points `[groups, N]`.
+///
+/// For `v1` it adds 1 after masking each field, as the engines' readers do, so an all-ones field
+/// reads as `2^bits` (GPTQModel's borrow artefact); hence `u16`, which holds 256 for 8 bits.
+pub fn unpack_qzeros(
+    words: &[i32],
+    groups: usize,
+    n: usize,
+    bits: u8,
+    v1: bool,
+) -> Result<Vec<u16>> {
+    let per = codes_per_word(bits)?;
+    ensure!(
+        n % per == 0,
+        "qzeros unpacking needs N to be a multiple of {per} for {bits}-bit zeros, got N = {n}"
+    );
+    ensure!(
+        words.len() == groups * n / per,
+        "qzeros of [groups={groups}, N={n}] {bits}-bit zeros must hold {} words, got {}",
+        groups * n / per,
+        words.len()
+    );
+    let maxq = max_code(bits);
+    let stored_offset = u16::from(v1);
+    Ok(words
+        .iter()
+        .flat_map(|&word| {
+            (0..per)
+                .map(move |i| ((word as u32 >> (bits as usize * i)) & maxq) as u16 + stored_offset)
+        })
+        .collect())
+}
+
+/// The tensors of one GPTQ-quantized Linear, as read from a checkpoint (scales already in f32).
+#[derive(Clone, Copy, Debug)]
+pub struct GptqTensors<'a> {
+    /// `[K·bits/32, N]`
+    pub qweight: &'a [i32],
+    /// `[groups, N·bits/32]`
+    pub qzeros: &'a [i32],
+    /// `[groups, N]`
+    pub scales: &'a [f32],
+    /// `[K]`, the group of every input row
+    pub g_idx: &'a [i32],
+    pub k: usize,
+    pub n: usize,
+    pub bits: u8,
+    /// `checkpoint_format: "gptq"` (zeros stored minus one) rather than `"gptq_v2"`.
+    pub v1: bool,
+}
+
+/// Dequantizes to `Wᵀ` `[K, N]` row-major (the layout GPTQ and Marlin store codes in, so rows
+/// compare directly with a Marlin dequant): `Wᵀ[k][n] = scales[g][n] · (code[k][n] − zero[g][n])`,
+/// `g = g_idx[k]`. The integer difference is exact in f32, so each value is rounded once.
+pub fn dequantize_gptq(t: &GptqTensors) -> Result<Vec<f32>> {
+    let GptqTensors {
+        qweight,
+        qzeros,
+        scales,
+        g_idx,
+        k,
+        n,
+        bits,
+        v1,
+    } = *t;
+    ensure!(n > 0, "cannot dequantize a GPTQ tensor with N = 0");
+    ensure!(
+        scales.len() % n == 0,
+        "scales hold {} values, not a whole number of rows of N = {n}",
+        scales.len()
+    );
+    let groups = scales.len() / n;
+    ensure!(
+        g_idx.len() == k,
+        "g_idx has {} entries, expected K = {k}",
+        g_idx.len()
+    );
+    if let Some(pos) = g_idx.iter().position(|&g| g < 0 || g as usize >= groups) {
+        bail!(
+            "g_idx[{pos}] = {} is outside the {groups} scale groups",
+            g_idx[pos]
+        );
+    }
+    let codes = unpack_qweight(qweight, k, n, bits).context("dequantizing qweight")?;
+    let zeros = unpack_qzeros(qzeros, groups, n, bits, v1).context("dequantizing qzeros")?;
+    let mut weights = vec![0f32; k * n];
+    weights
+        .par_chunks_mut(n)
+        .zip(codes.par_chunks(n))
+        .zip(g_idx.par_iter())
+        .for_each(|((weight_row, code_row), &group)| {
+            let group = group as usize;
+            let scale_row = &scales[group * n..(group + 1) * n];
+            let zero_row = &zeros[group * n..(group + 1) * n];
+            for (((w, &code), &scale), &zero) in weight_row
+                .iter_mut()
+                .zip(code_row)
+                .zip(scale_row)
+                .zip(zero_row)
+            {
+                *w = scale * (i32::from(code) - i32::from(zero)) as f32;
+            }
+        });
+    Ok(weights)
+}
+
+/// int32 words as the little-endian bytes of a safetensors `I32` tensor.
+pub fn i32_to_le_bytes(words: &[i32]) -> Vec<u8> {
+    words.iter().flat_map(|w| w.to_le_bytes()).collect()
+}
+
+/// The little-endian bytes of a safetensors `I32` tensor as words.
+pub fn le_bytes_to_i32(bytes: &[u8]) -> Result<Vec<i32>> {
+    ensure!(
+        bytes.len() % 4 == 0,
+        "int32 tensor data has {} bytes, not a multiple of 4",
+        bytes.len()
+    );
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
+}
+
+/// Scales rounded to fp16 (round-to-nearest-even) as the little-endian bytes of an `F16` tensor.
+pub fn f32_to_f16_le_bytes(values: &[f32]) -> Vec<u8> {
+    values
+        .iter()
+        .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+        .collect()
+}
+
+/// The little-endian bytes of an `F16` tensor widened (exactly) to f32.
+pub fn f16_le_bytes_to_f32(bytes: &[u8]) -> Result<Vec<f32>> {
+    ensure!(
+        bytes.len() % 2 == 0,
+        "fp16 tensor data has {} bytes, not a multiple of 2",
+        bytes.len()
+    );
+    Ok(bytes
+        .chunks_exact(2)
+        .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::test_rng::XorShift;
+
+    #[test]
+    fn qweight_known_words_for_each_width() {
+        // 4 bit: codes 0..7 down column 0 of rows 0..7.
+        let (k, n) = (8, 2);
+        let mut codes = vec![0u8; k * n];
+        for row in 0..8 {
+            codes[row * n] = row as u8;
+        }
+        codes[7 * n + 1] = 15;
+        let words = pack_qweight(&codes, k, n, 4).unwrap();
+        assert_eq!(words, vec![0x76543210, 0xF000_0000u32 as i32]);
+
+        // 8 bit: four codes per word.
+        let words = pack_qweight(&[1, 2, 3, 0xAB], 4, 1, 8).unwrap();
+        assert_eq!(words, vec![0xAB03_0201u32 as i32]);
+
+        // 2 bit: sixteen codes per word, code i%4 in row i.
+        let codes: Vec<u8> = (0..16).map(|i| i % 4).collect();
+        let words = pack_qweight(&codes, 16, 1, 2).unwrap();
+        assert_eq!(words, vec![0xE4E4_E4E4u32 as i32]);
+    }
+
+    #[test]
+    fn qweight_rows_beyond_the_first_word_go_to_the_next_word_row() {
+        let (k, n) = (16, 3);
+        let mut codes = vec![0u8; k * n];
+        codes[9 * n + 2] = 5; // row 9 = word row 1, field 1, column 2
+        let words = pack_qweight(&codes, k, n, 4).unwrap();
+        let mut expected = vec![0i32; 2 * n];
+        expected[n + 2] = 0x50;
+        assert_eq!(words, expected);
+    }
+
+    #[test]
+    fn sym_4bit_qzeros_are_0x77777777_in_v1_and_0x88888888_in_v2() {
+        let (groups, n) = (3, 16);
+        let zeros = vec![8u8; groups * n];
+        let v1 = pack_qzeros(&zeros, groups, n, 4, true).unwrap();
+        assert_eq!(v1, vec![2004318071; groups * n / 8]);
+        assert_eq!(0x77777777, 2004318071);
+        let v2 = pack_qzeros(&zeros, groups, n, 4, false).unwrap();
+        assert_eq!(v2, vec![0x8888_8888u32 as i32; groups * n / 8]);
+        let back: Vec<u16> = unpack_qzeros(&v1, groups, n, 4, true).unwrap();
+        assert!(back.iter().all(|&z| z == 8));
+    }
+
+    #[test]
+    fn qzeros_pack_along_n() {
+        let zeros: Vec<u8> = (1..=16).map(|z| (z % 15 + 1) as u8).collect();
+        let words = pack_qzeros(&zeros, 2, 8, 4, false).unwrap();
+        assert_eq!(words, vec![0x98765432u32 as i32, 0x21FEDCBA]);
+    }
+
+    #[test]
+    fn v1_refuses_a_zero_point_of_zero() {
+        let mut zeros = vec![8u8; 16];
+        zeros[11] = 0;
+        let err = pack_qzeros(&zeros, 2, 8, 4, true).unwrap_err().to_string();
+        assert!(err.contains("[group=1, n=3]"), "{err}");
+        assert!(err.contains("gptq_v2"), "{err}");
+        assert!(pack_qzeros(&zeros, 2, 8, 4, false).is_ok());
+    }
+
+    #[test]
+    fn v1_reader_turns_an_all_ones_field_into_two_to_the_bits() {
+        let zeros = unpack_qzeros(&[-1], 1, 8, 4, true).unwrap();
+        assert_eq!(zeros, vec![16; 8]);
+        let zeros = unpack_qzeros(&[-1], 1, 4, 8, true).unwrap();
+        assert_eq!(zeros, vec![256; 4]);
+    }
+
+    #[test]
+    fn refusals_name_the_problem() {
+        let err = pack_qweight(&[0; 32], 32, 1, 3).unwrap_err().to_string();
+        assert!(err.contains("3-bit GPTQ packing is not supported"), "{err}");
+        let err = pack_qweight(&[0; 12], 12, 1, 4).unwrap_err().to_string();
+        assert!(
+            err.contains("multiple of 8") && err.contains("K = 12"),
+            "{err}"
+        );
+        let err = pack_qweight(&[0, 0, 16, 0, 0, 0, 0, 0], 8, 1, 4)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("code 16 at [k=2, n=0]"), "{err}");
+        let err = pack_qzeros(&[8; 12], 1, 12, 4, true)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("N = 12"), "{err}");
+        let err = unpack_qweight(&[0; 3], 16, 2, 4).unwrap_err().to_string();
+        assert!(err.contains("must hold 4 words, got 3"), "{err}");
+        let err = unpack_qweight(&[0; 4], 16, 2, 6).unwrap_err().to_string();
+        assert!(err.contains("got 6"), "{err}");
+    }
+
+    #[test]
+    fn qweight_and_qzeros_round_trip_random_values() {
+        let mut rng = XorShift::new(0x5eed);
+        for bits in [2u8, 4, 8] {
+            let maxq = (1u32 << bits) - 1;
+            for (k, n) in [(32, 32), (64, 96), (256, 128), (128, 16)] {
+                let codes: Vec<u8> = (0..k * n).map(|_| rng.below(maxq + 1) as u8).collect();
+                let words = pack_qweight(&codes, k, n, bits).unwrap();
+                assert_eq!(words.len(), k * bits as usize / 32 * n);
+                assert_eq!(unpack_qweight(&words, k, n, bits).unwrap(), codes);
+
+                let groups = k / 16;
+                for v1 in [true, false] {
+                    let lowest = u32::from(v1);
+                    let zeros: Vec<u8> = (0..groups * n)
+                        .map(|_| (lowest + rng.below(maxq + 1 - lowest)) as u8)
+                        .collect();
+                    let packed = pack_qzeros(&zeros, groups, n, bits, v1).unwrap();
+                    assert_eq!(packed.len(), groups * n * bits as usize / 32);
+                    let back = unpack_qzeros(&packed, groups, n, bits, v1).unwrap();
+                    assert!(back.iter().zip(&zeros).all(|(&b, &z)| b == u16::from(z)));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn dequantize_follows_g_idx_scales_and_zeros() {
+        let (k, n, bits) = (16, 8, 4);
+        let mut rng = XorShift::new(7);
+        let codes: Vec<u8> = (0..k * n).map(|_| rng.below(16) as u8).collect();
+        let zeros: Vec<u8> = (0..2 * n).map(|_| 1 + rng.below(15) as u8).collect();
+        let scales: Vec<f32> = (0..2 * n).map(|i| 0.01 * (i + 1) as f32).collect();
+        // A dynamic act-order style g_idx: not monotone in k.
+        let g_idx: Vec<i32> = (0..k).map(|row| ((row * 5) % k / 8) as i32).collect();
+        let qweight = pack_qweight(&codes, k, n, bits).unwrap();
+        for v1 in [true, false] {
+            let qzeros = pack_qzeros(&zeros, 2, n, bits, v1).unwrap();
+            let tensors = GptqTensors {
+                qweight: &qweight,
+                qzeros: &qzeros,
+                scales: &scales,
+                g_idx: &g_idx,
+                k,
+                n,
+                bits,
+                v1,
+            };
+            let weights = dequantize_gptq(&tensors).unwrap();
+            for row in 0..k {
+                let group = g_idx[row] as usize;
+                for col in 0..n {
+                    let expected = scales[group * n + col]
+                        * (f32::from(codes[row * n + col]) - f32::from(zeros[group * n + col]));
+                    assert_eq!(weights[row * n + col].to_bits(), expected.to_bits());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn dequantize_known_value_and_bad_g_idx() {
+        // One row group, sym 4-bit: code 3 with zero 8 and scale 0.5 is -2.5.
+        let qweight = pack_qweight(&[3, 0, 0, 0, 0, 0, 0, 0], 8, 1, 4).unwrap();
+        let qzeros = pack_qzeros(&[8; 8], 1, 8, 4, true).unwrap();
+        let qweight = [qweight[0]; 8];
+        let scales = [0.5f32; 8];
+        let mut tensors = GptqTensors {
+            qweight: &qweight,
+            qzeros: &qzeros,
+            scales: &scales,
+            g_idx: &[0; 8],
+            k: 8,
+            n: 8,
+            bits: 4,
+            v1: true,
+        };
+        let weights = dequantize_gptq(&tensors).unwrap();
+        assert_eq!(weights[0], -2.5);
+        assert_eq!(weights[8], -4.0);
+
+        let bad_g_idx = [0, 0, 0, 1, 0, 0, 0, 0];
+        tensors.g_idx = &bad_g_idx;
+        let err = dequantize_gptq(&tensors).unwrap_err().to_string();
+        assert!(err.contains("g_idx[3] = 1"), "{err}");
+    }
+
+    #[test]
+    fn byte_conversions_are_little_endian_and_invert() {
+        let words = [0x76543210, -1, i32::MIN];
+        let bytes = i32_to_le_bytes(&words);
+        assert_eq!(&bytes[..4], &[0x10, 0x32, 0x54, 0x76]);
+        assert_eq!(le_bytes_to_i32(&bytes).unwrap(), words);
+        assert!(le_bytes_to_i32(&bytes[..5]).is_err());
+
+        let scales = [1.0f32, -0.5, 0.000_123, 65504.0];
+        let bytes = f32_to_f16_le_bytes(&scales);
+        assert_eq!(&bytes[..4], &[0x00, 0x3C, 0x00, 0xB8]);
+        let back = f16_le_bytes_to_f32(&bytes).unwrap();
+        for (b, s) in back.iter().zip(scales) {
+            assert_eq!(*b, f16::from_f32(s).to_f32());
+        }
+        assert!(f16_le_bytes_to_f32(&bytes[..3]).is_err());
+    }
+}

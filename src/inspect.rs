@@ -1,0 +1,125 @@
+//! `inspect DIR`: what a checkpoint holds (architecture, layer kinds, parameters, bytes, dtypes)
+//! and whether it is consistent (every tensor the config implies, with the right shape, and the
+//! manifest hashes when a manifest is present). A failed check is an error (exit 1).
+
+use crate::checkpoint::writer::{verify_manifest, MANIFEST_FILE};
+use crate::checkpoint::Checkpoint;
+use crate::model::Config;
+use anyhow::{bail, Result};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+#[derive(Debug, Serialize)]
+pub struct InspectReport {
+    pub dir: String,
+    pub architecture: String,
+    pub layers: usize,
+    pub mixer_types: Vec<String>,
+    pub sparse_layers: Vec<usize>,
+    pub lightning_layers: Vec<usize>,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub vocab_size: usize,
+    pub parameters: u64,
+    pub tensor_bytes: u64,
+    pub tensors: usize,
+    pub shards: Vec<String>,
+    pub dtypes: BTreeMap<String, usize>,
+    pub manifest: Option<String>,
+    pub valid: bool,
+}
+
+pub fn inspect(dir: &Path) -> Result<InspectReport> {
+    let cfg = Config::from_file(&dir.join("config.json"))?;
+    let ck = Checkpoint::open(dir)?;
+    ck.validate_exact(&cfg.expected_tensors())?;
+    let mut dtypes = BTreeMap::new();
+    let (mut params, mut bytes) = (0u64, 0u64);
+    for (_, e) in ck.entries() {
+        *dtypes.entry(e.dtype.name().to_string()).or_insert(0) += 1;
+        params += e.numel() as u64;
+        bytes += e.nbytes() as u64;
+    }
+    let manifest = if dir.join(MANIFEST_FILE).is_file() {
+        let problems = verify_manifest(dir)?;
+        if !problems.is_empty() {
+            bail!(
+                "{} does not match the files in {}:\n  {}",
+                MANIFEST_FILE,
+                dir.display(),
+                problems.join("\n  ")
+            );
+        }
+        Some("all files match".to_string())
+    } else {
+        None
+    };
+    let kinds: Vec<_> = (0..cfg.num_hidden_layers).map(|i| cfg.mixer(i)).collect();
+    Ok(InspectReport {
+        dir: dir.display().to_string(),
+        architecture: cfg.architectures.join(","),
+        layers: cfg.num_hidden_layers,
+        mixer_types: kinds.iter().map(|k| k.name().to_string()).collect(),
+        sparse_layers: (0..kinds.len())
+            .filter(|&i| kinds[i] == crate::model::MixerKind::Sparse)
+            .collect(),
+        lightning_layers: (0..kinds.len())
+            .filter(|&i| kinds[i] == crate::model::MixerKind::Lightning)
+            .collect(),
+        hidden_size: cfg.hidden_size,
+        intermediate_size: cfg.intermediate_size,
+        vocab_size: cfg.vocab_size,
+        parameters: params,
+        tensor_bytes: bytes,
+        tensors: ck.names().count(),
+        shards: ck
+            .shards
+            .iter()
+            .map(|s| s.path.file_name().unwrap().to_string_lossy().into_owned())
+            .collect(),
+        dtypes,
+        manifest,
+        valid: true,
+    })
+}
+
+impl InspectReport {
+    pub fn print_text(&self) {
+        println!("model          {}", self.dir);
+        println!("architecture   {}", self.architecture);
+        println!(
+            "layers         {} ({} sparse: {:?}; {} lightning)",
+            self.layers,
+            self.sparse_layers.len(),
+            self.sparse_layers,
+            self.lightning_layers.len()
+        );
+        println!(
+            "dims           hidden {}, intermediate {}, vocab {}",
+            self.hidden_size, self.intermediate_size, self.vocab_size
+        );
+        println!(
+            "parameters     {} ({:.2} GB of tensor data)",
+            self.parameters,
+            self.tensor_bytes as f64 / 1e9
+        );
+        let d: Vec<String> = self
+            .dtypes
+            .iter()
+            .map(|(k, v)| format!("{k} x{v}"))
+            .collect();
+        println!(
+            "tensors        {} in {} shard(s); dtypes {}",
+            self.tensors,
+            self.shards.len(),
+            d.join(", ")
+        );
+        if let Some(m) = &self.manifest {
+            println!("manifest       {m}");
+        }
+        println!(
+            "validation     ok: every tensor the config implies is present with the right shape"
+        );
+    }
+}

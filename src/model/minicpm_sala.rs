@@ -1,0 +1,573 @@
+//! The MiniCPM-SALA forward pass (minicpm-sala.md section 3), batched `[B, T]`, in the model dtype
+//! (BF16, or F32 for tests) with the reference's f32 islands: RMSNorm variance, RoPE, softmax,
+//! the whole Simple-GLA computation, and the logits.
+//!
+//! Layer-wise API for the quantizer: [`Model::embed`], [`DecoderLayer::forward`] with a capture
+//! hook that sees the input of each Linear group, and [`Model::head`]. Decoder layers are loaded
+//! one at a time ([`DecoderLayer::load`]) so only one layer's weights need to be in compute memory.
+
+use super::config::{Config, MixerKind};
+use super::gla;
+use crate::checkpoint::Checkpoint;
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor, D};
+
+/// Chunk length of the chunked Simple-GLA (fla uses 64).
+pub const GLA_CHUNK: usize = 64;
+
+/// Linears that read the same input share one Hessian (design.md decision 5). The order is the
+/// true-sequential order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub enum LinearGroup {
+    /// q, k, v and the attention gate (o_gate or z_proj): the normalized layer input.
+    Qkv,
+    /// o_proj: the gated attention output.
+    O,
+    /// gate_proj and up_proj: the normalized MLP input.
+    GateUp,
+    /// down_proj: silu(gate) * up.
+    Down,
+}
+
+impl LinearGroup {
+    pub const ALL: [LinearGroup; 4] = [Self::Qkv, Self::O, Self::GateUp, Self::Down];
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Qkv => "qkv",
+            Self::O => "o",
+            Self::GateUp => "gate_up",
+            Self::Down => "down",
+        }
+    }
+}
+
+/// A bias-free Linear with HF layout `[out, in]`: y = x·Wᵀ.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    pub weight: Tensor,
+}
+
+impl Linear {
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let k = *dims.last().unwrap();
+        let x2 = x.reshape(((), k))?;
+        let y = x2.matmul(&self.weight.t()?)?;
+        let mut out = dims;
+        *out.last_mut().unwrap() = self.weight.dim(0)?;
+        y.reshape(out)
+    }
+}
+
+/// RMSNorm as the reference computes it: variance in f32, cast back to the input dtype, then
+/// multiplied by the weight in the input dtype (no "+1", no mean subtraction).
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    let dtype = x.dtype();
+    let xf = x.to_dtype(DType::F32)?;
+    let var = xf.sqr()?.mean_keepdim(D::Minus1)?;
+    let y = xf.broadcast_div(&(var + eps)?.sqrt()?)?.to_dtype(dtype)?;
+    y.broadcast_mul(w)
+}
+
+/// NeoX ("rotate_half") RoPE over the whole head dimension on `[B, T, H, D]`, computed in f32
+/// and cast back, for positions 0..T.
+pub fn rope(x: &Tensor, theta: f64) -> candle_core::Result<Tensor> {
+    let (_, t, _, d) = x.dims4()?;
+    let half = d / 2;
+    let mut cos = Vec::with_capacity(t * d);
+    let mut sin = Vec::with_capacity(t * d);
+    for p in 0..t {
+        for j in 0..d {
+            let inv_freq = theta.powf(-2.0 * (j % half) as f64 / d as f64);
+            let a = p as f64 * inv_freq;
+            cos.push(a.cos() as f32);
+            sin.push(a.sin() as f32);
+        }
+    }
+    let cos = Tensor::from_vec(cos, (1, t, 1, d), x.device())?;
+    let sin = Tensor::from_vec(sin, (1, t, 1, d), x.device())?;
+    let xf = x.to_dtype(DType::F32)?;
+    let x1 = xf.narrow(3, 0, half)?;
+    let x2 = xf.narrow(3, half, half)?;
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], 3)?;
+    (xf.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?.to_dtype(x.dtype())
+}
+
+/// Repeats each kv head `n_rep` times consecutively: `[B, Hkv, T, D]` → `[B, Hkv·n_rep, T, D]`.
+fn repeat_kv(x: &Tensor, n_rep: usize) -> candle_core::Result<Tensor> {
+    if n_rep == 1 {
+        return Ok(x.clone());
+    }
+    let (b, h, t, d) = x.dims4()?;
+    x.unsqueeze(2)?
+        .expand((b, h, n_rep, t, d))?
+        .reshape((b, h * n_rep, t, d))
+}
+
+#[derive(Debug, Clone)]
+pub enum Mixer {
+    Sparse {
+        q: Linear,
+        k: Linear,
+        v: Linear,
+        o: Linear,
+        gate: Option<Linear>,
+    },
+    Lightning {
+        q: Linear,
+        k: Linear,
+        v: Linear,
+        o: Linear,
+        z: Option<Linear>,
+        q_norm: Option<Tensor>,
+        k_norm: Option<Tensor>,
+        o_norm: Option<Tensor>,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    pub index: usize,
+    pub kind: MixerKind,
+    pub input_norm: Tensor,
+    pub post_norm: Tensor,
+    pub mixer: Mixer,
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+    cfg: LayerConsts,
+}
+
+#[derive(Debug, Clone)]
+struct LayerConsts {
+    eps: f64,
+    residual: f64,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    use_rope: bool,
+    rope_theta: f64,
+    gla_scale: f64,
+    gammas: Vec<f64>,
+}
+
+impl DecoderLayer {
+    /// Loads layer `i` from the checkpoint, converting weights to `dtype` on `device`.
+    pub fn load(
+        ck: &Checkpoint,
+        cfg: &Config,
+        i: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let p = format!("model.layers.{i}.");
+        let t = |name: &str| ck.tensor(&format!("{p}{name}"), dtype, device);
+        let lin = |name: &str| -> Result<Linear> {
+            Ok(Linear {
+                weight: t(&format!("{name}.weight"))?,
+            })
+        };
+        let kind = cfg.mixer(i);
+        let (mixer, consts) = match kind {
+            MixerKind::Sparse => (
+                Mixer::Sparse {
+                    q: lin("self_attn.q_proj")?,
+                    k: lin("self_attn.k_proj")?,
+                    v: lin("self_attn.v_proj")?,
+                    o: lin("self_attn.o_proj")?,
+                    gate: cfg
+                        .attn_use_output_gate
+                        .then(|| lin("self_attn.o_gate"))
+                        .transpose()?,
+                },
+                LayerConsts {
+                    eps: cfg.rms_norm_eps,
+                    residual: cfg.residual_scale(),
+                    heads: cfg.num_attention_heads,
+                    kv_heads: cfg.num_key_value_heads,
+                    head_dim: cfg.sparse_head_dim(),
+                    use_rope: cfg.attn_use_rope,
+                    rope_theta: cfg.rope_theta,
+                    gla_scale: 0.0,
+                    gammas: vec![],
+                },
+            ),
+            MixerKind::Lightning => (
+                Mixer::Lightning {
+                    q: lin("self_attn.q_proj")?,
+                    k: lin("self_attn.k_proj")?,
+                    v: lin("self_attn.v_proj")?,
+                    o: lin("self_attn.o_proj")?,
+                    z: cfg
+                        .use_output_gate
+                        .then(|| lin("self_attn.z_proj"))
+                        .transpose()?,
+                    q_norm: cfg
+                        .qk_norm
+                        .then(|| t("self_attn.q_norm.weight"))
+                        .transpose()?,
+                    k_norm: cfg
+                        .qk_norm
+                        .then(|| t("self_attn.k_norm.weight"))
+                        .transpose()?,
+                    o_norm: cfg
+                        .use_output_norm
+                        .then(|| t("self_attn.o_norm.weight"))
+                        .transpose()?,
+                },
+                LayerConsts {
+                    eps: cfg.rms_norm_eps,
+                    residual: cfg.residual_scale(),
+                    heads: cfg.lightning_nh,
+                    kv_heads: cfg.lightning_nkv,
+                    head_dim: cfg.lightning_head_dim,
+                    use_rope: cfg.lightning_use_rope,
+                    rope_theta: cfg.rope_theta,
+                    gla_scale: cfg.lightning_scale_value()?,
+                    gammas: gla::decays(cfg.lightning_nh),
+                },
+            ),
+        };
+        Ok(Self {
+            index: i,
+            kind,
+            input_norm: t("input_layernorm.weight")?,
+            post_norm: t("post_attention_layernorm.weight")?,
+            mixer,
+            gate_proj: lin("mlp.gate_proj")?,
+            up_proj: lin("mlp.up_proj")?,
+            down_proj: lin("mlp.down_proj")?,
+            cfg: consts,
+        })
+    }
+
+    /// The Linears of this layer: (name relative to the layer, e.g. `self_attn.q_proj`, group).
+    pub fn linears(&self) -> Vec<(&'static str, LinearGroup)> {
+        let mut v = vec![
+            ("self_attn.q_proj", LinearGroup::Qkv),
+            ("self_attn.k_proj", LinearGroup::Qkv),
+            ("self_attn.v_proj", LinearGroup::Qkv),
+        ];
+        match &self.mixer {
+            Mixer::Sparse { gate: Some(_), .. } => v.push(("self_attn.o_gate", LinearGroup::Qkv)),
+            Mixer::Lightning { z: Some(_), .. } => v.push(("self_attn.z_proj", LinearGroup::Qkv)),
+            _ => {}
+        }
+        v.push(("self_attn.o_proj", LinearGroup::O));
+        v.push(("mlp.gate_proj", LinearGroup::GateUp));
+        v.push(("mlp.up_proj", LinearGroup::GateUp));
+        v.push(("mlp.down_proj", LinearGroup::Down));
+        v
+    }
+
+    /// The Linear called `name` (as listed by [`DecoderLayer::linears`]).
+    pub fn linear_mut(&mut self, name: &str) -> Result<&mut Linear> {
+        let l = match (&mut self.mixer, name) {
+            (Mixer::Sparse { q, .. } | Mixer::Lightning { q, .. }, "self_attn.q_proj") => q,
+            (Mixer::Sparse { k, .. } | Mixer::Lightning { k, .. }, "self_attn.k_proj") => k,
+            (Mixer::Sparse { v, .. } | Mixer::Lightning { v, .. }, "self_attn.v_proj") => v,
+            (Mixer::Sparse { o, .. } | Mixer::Lightning { o, .. }, "self_attn.o_proj") => o,
+            (Mixer::Sparse { gate: Some(g), .. }, "self_attn.o_gate") => g,
+            (Mixer::Lightning { z: Some(z), .. }, "self_attn.z_proj") => z,
+            (_, "mlp.gate_proj") => &mut self.gate_proj,
+            (_, "mlp.up_proj") => &mut self.up_proj,
+            (_, "mlp.down_proj") => &mut self.down_proj,
+            _ => bail!("layer {} has no Linear {name}", self.index),
+        };
+        Ok(l)
+    }
+
+    /// Runs the layer on `h` `[B, T, H]`. `capture` is called with each Linear group's input,
+    /// flattened to `[B·T, K]`, in true-sequential order.
+    pub fn forward(
+        &self,
+        h: &Tensor,
+        capture: &mut dyn FnMut(LinearGroup, &Tensor) -> Result<()>,
+    ) -> Result<Tensor> {
+        let c = &self.cfg;
+        let (b, t, hid) = h.dims3()?;
+        let x = rms_norm(h, &self.input_norm, c.eps)?;
+        capture(LinearGroup::Qkv, &x.reshape((b * t, hid))?)?;
+        let attn = match &self.mixer {
+            Mixer::Sparse { q, k, v, gate, .. } => {
+                let heads = |lin: &Linear, n: usize| -> candle_core::Result<Tensor> {
+                    lin.forward(&x)?.reshape((b, t, n, c.head_dim))
+                };
+                let (mut qh, mut kh) = (heads(q, c.heads)?, heads(k, c.kv_heads)?);
+                let vh = heads(v, c.kv_heads)?;
+                if c.use_rope {
+                    qh = rope(&qh, c.rope_theta)?;
+                    kh = rope(&kh, c.rope_theta)?;
+                }
+                let f32t = |x: &Tensor| x.transpose(1, 2)?.to_dtype(DType::F32)?.contiguous();
+                let n_rep = c.heads / c.kv_heads;
+                let (qf, kf, vf) = (
+                    f32t(&qh)?,
+                    repeat_kv(&f32t(&kh)?, n_rep)?,
+                    repeat_kv(&f32t(&vh)?, n_rep)?,
+                );
+                let scores = (qf.matmul(&kf.t()?.contiguous()?)? / (c.head_dim as f64).sqrt())?;
+                let mask = causal_mask(t, h.device())?;
+                let p = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
+                let o = p
+                    .matmul(&vf)?
+                    .transpose(1, 2)?
+                    .reshape((b, t, c.heads * c.head_dim))?
+                    .to_dtype(h.dtype())?;
+                match gate {
+                    Some(g) => (o * candle_nn::ops::sigmoid(&g.forward(&x)?)?)?,
+                    None => o,
+                }
+            }
+            Mixer::Lightning {
+                q,
+                k,
+                v,
+                z,
+                q_norm,
+                k_norm,
+                o_norm,
+                ..
+            } => {
+                let heads = |lin: &Linear, n: usize| -> candle_core::Result<Tensor> {
+                    lin.forward(&x)?.reshape((b, t, n, c.head_dim))
+                };
+                let (mut qh, mut kh) = (heads(q, c.heads)?, heads(k, c.kv_heads)?);
+                let vh = heads(v, c.kv_heads)?;
+                if let (Some(qn), Some(kn)) = (q_norm, k_norm) {
+                    qh = rms_norm(&qh, qn, c.eps)?;
+                    kh = rms_norm(&kh, kn, c.eps)?;
+                }
+                if c.use_rope {
+                    qh = rope(&qh, c.rope_theta)?;
+                    kh = rope(&kh, c.rope_theta)?;
+                }
+                let f32t = |x: &Tensor| x.transpose(1, 2)?.to_dtype(DType::F32)?.contiguous();
+                let n_rep = c.heads / c.kv_heads;
+                let (qf, kf, vf) = (
+                    f32t(&qh)?,
+                    repeat_kv(&f32t(&kh)?, n_rep)?,
+                    repeat_kv(&f32t(&vh)?, n_rep)?,
+                );
+                let (o, _) = gla::chunked(&qf, &kf, &vf, &c.gammas, c.gla_scale, GLA_CHUNK, None)?;
+                let mut o = o
+                    .transpose(1, 2)?
+                    .reshape((b, t, c.heads * c.head_dim))?
+                    .to_dtype(h.dtype())?;
+                if let Some(on) = o_norm {
+                    o = rms_norm(&o, on, c.eps)?;
+                }
+                match z {
+                    Some(z) => (o * candle_nn::ops::sigmoid(&z.forward(&x)?)?)?,
+                    None => o,
+                }
+            }
+        };
+        let o_in = attn.reshape((b * t, ()))?;
+        capture(LinearGroup::O, &o_in)?;
+        let o_proj = match &self.mixer {
+            Mixer::Sparse { o, .. } | Mixer::Lightning { o, .. } => o,
+        };
+        let h = (h + (o_proj.forward(&attn)? * c.residual)?)?;
+        let m = rms_norm(&h, &self.post_norm, c.eps)?;
+        capture(LinearGroup::GateUp, &m.reshape((b * t, hid))?)?;
+        let act =
+            (candle_nn::ops::silu(&self.gate_proj.forward(&m)?)? * self.up_proj.forward(&m)?)?;
+        capture(LinearGroup::Down, &act.reshape((b * t, ()))?)?;
+        let h = (h + (self.down_proj.forward(&act)? * c.residual)?)?;
+        Ok(h)
+    }
+}
+
+/// Additive causal mask `[T, T]`: 0 on and below the diagonal, −inf above.
+fn causal_mask(t: usize, dev: &Device) -> candle_core::Result<Tensor> {
+    let data: Vec<f32> = (0..t * t)
+        .map(|x| {
+            if x % t > x / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Tensor::from_vec(data, (t, t), dev)
+}
+
+/// Embedding, final norm and head; decoder layers are loaded separately (one at a time when
+/// streaming, all at once for short evaluations).
+pub struct Model {
+    pub cfg: Config,
+    pub dtype: DType,
+    pub device: Device,
+    pub embed_tokens: Tensor,
+    pub norm: Tensor,
+    pub lm_head: Linear,
+}
+
+impl Model {
+    pub fn load(ck: &Checkpoint, cfg: &Config, dtype: DType, device: &Device) -> Result<Self> {
+        Ok(Self {
+            cfg: cfg.clone(),
+            dtype,
+            device: device.clone(),
+            embed_tokens: ck.tensor("model.embed_tokens.weight", dtype, device)?,
+            norm: ck.tensor("model.norm.weight", dtype, device)?,
+            lm_head: Linear {
+                weight: ck.tensor("lm_head.weight", dtype, device)?,
+            },
+        })
+    }
+
+    pub fn load_layer(&self, ck: &Checkpoint, i: usize) -> Result<DecoderLayer> {
+        DecoderLayer::load(ck, &self.cfg, i, self.dtype, &self.device)
+            .with_context(|| format!("loading decoder layer {i}"))
+    }
+
+    /// Refuses inputs the dense path cannot compute exactly.
+    pub fn check_length(&self, t: usize) -> Result<()> {
+        let dense_len = self.cfg.sparse_config.dense_len;
+        if t >= dense_len {
+            bail!(
+                "sequence length {t} is at or above sparse_config.dense_len = {dense_len}: InfLLM-v2 sparse attention \
+                 is not implemented; use --seqlen below {dense_len}"
+            );
+        }
+        Ok(())
+    }
+
+    /// `ids` `[B, T]` u32 → hidden states `[B, T, H]` scaled by `scale_emb`.
+    pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        self.check_length(t)?;
+        let flat = ids.flatten_all()?;
+        let e = self
+            .embed_tokens
+            .index_select(&flat, 0)?
+            .reshape((b, t, ()))?;
+        Ok((e * self.cfg.scale_emb)?)
+    }
+
+    /// Final norm, division by hidden_size / dim_model_base, lm_head; f32 logits `[B, T, V]`.
+    pub fn head(&self, h: &Tensor) -> Result<Tensor> {
+        let x = (rms_norm(h, &self.norm, self.cfg.rms_norm_eps)? / self.cfg.logit_divisor())?;
+        Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+    }
+
+    /// Full forward with all layers given (for tests and short evaluations).
+    pub fn forward(&self, ids: &Tensor, layers: &[DecoderLayer]) -> Result<Tensor> {
+        let mut h = self.embed(ids)?;
+        for layer in layers {
+            h = layer.forward(&h, &mut |_, _| Ok(()))?;
+        }
+        self.head(&h)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn randn(shape: &[usize], seed: u64) -> Tensor {
+        let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+        let n: usize = shape.iter().product();
+        let data: Vec<f32> = (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+            })
+            .collect();
+        Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
+    }
+
+    fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
+        let diff = (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        let scale = b
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        diff / scale
+    }
+
+    #[test]
+    fn the_three_gla_forms_agree_including_ragged_lengths_and_carried_state() {
+        let gammas = gla::decays(4);
+        for (t, chunk) in [(1, 64), (7, 4), (64, 64), (100, 64), (130, 16)] {
+            let (q, k, v) = (
+                randn(&[2, 4, t, 8], 1),
+                randn(&[2, 4, t, 8], 2),
+                randn(&[2, 4, t, 6], 3),
+            );
+            let s0 = randn(&[2, 4, 8, 6], 4);
+            for state in [None, Some(&s0)] {
+                let (oc, sc) = gla::chunked(&q, &k, &v, &gammas, 0.3, chunk, state).unwrap();
+                let (or, sr) = gla::recurrent(&q, &k, &v, &gammas, 0.3, state).unwrap();
+                let (op, sp) = gla::parallel(&q, &k, &v, &gammas, 0.3, state).unwrap();
+                assert!(max_rel(&oc, &or) < 1e-5, "chunked vs recurrent, t={t}");
+                assert!(max_rel(&op, &or) < 1e-5, "parallel vs recurrent, t={t}");
+                assert!(max_rel(&sc, &sr) < 1e-5, "chunked state, t={t}");
+                assert!(max_rel(&sp, &sr) < 1e-5, "parallel state, t={t}");
+            }
+        }
+    }
+
+    #[test]
+    fn chunked_gla_continues_across_calls_like_one_call() {
+        let gammas = gla::decays(2);
+        let (q, k, v) = (
+            randn(&[1, 2, 50, 8], 5),
+            randn(&[1, 2, 50, 8], 6),
+            randn(&[1, 2, 50, 8], 7),
+        );
+        let (full, _) = gla::chunked(&q, &k, &v, &gammas, 1.0, 16, None).unwrap();
+        let (a, s) = gla::chunked(
+            &q.narrow(2, 0, 20).unwrap(),
+            &k.narrow(2, 0, 20).unwrap(),
+            &v.narrow(2, 0, 20).unwrap(),
+            &gammas,
+            1.0,
+            16,
+            None,
+        )
+        .unwrap();
+        let (b, _) = gla::chunked(
+            &q.narrow(2, 20, 30).unwrap(),
+            &k.narrow(2, 20, 30).unwrap(),
+            &v.narrow(2, 20, 30).unwrap(),
+            &gammas,
+            1.0,
+            16,
+            Some(&s),
+        )
+        .unwrap();
+        assert!(max_rel(&Tensor::cat(&[a, b], 2).unwrap(), &full) < 1e-5);
+    }
+
+    #[test]
+    fn rope_rotates_pairs_half_a_head_apart() {
+        // Position 0 is the identity; position p rotates (x_j, x_{j+d/2}) by p·θ^(−2j/d).
+        let x = randn(&[1, 3, 1, 4], 9);
+        let r = rope(&x, 10000.0).unwrap();
+        let xv: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+        let rv: Vec<f32> = r.flatten_all().unwrap().to_vec1().unwrap();
+        for p in 0..3 {
+            for j in 0..2 {
+                let a = p as f64 * 10000f64.powf(-2.0 * j as f64 / 4.0);
+                let (x1, x2) = (xv[p * 4 + j] as f64, xv[p * 4 + j + 2] as f64);
+                assert!((rv[p * 4 + j] as f64 - (x1 * a.cos() - x2 * a.sin())).abs() < 1e-6);
+                assert!((rv[p * 4 + j + 2] as f64 - (x2 * a.cos() + x1 * a.sin())).abs() < 1e-6);
+            }
+        }
+    }
+}

@@ -1,0 +1,215 @@
+//! Where a model comes from: a local folder, or a Hugging Face hub repo id resolved through the
+//! standard cache (`HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`),
+//! honouring `HF_HUB_OFFLINE=1` and a token from `HF_TOKEN` or the token file. Only the files a
+//! model needs are fetched: config, generation config, tokenizer files, the safetensors index and
+//! the shards it names.
+
+use anyhow::{anyhow, bail, Context, Result};
+use hf_hub::{Cache, Repo, RepoType};
+use std::path::{Path, PathBuf};
+
+/// Files fetched besides the weights when present in the repo.
+const OPTIONAL_FILES: &[&str] = &[
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+];
+
+/// A resolved model: a folder holding config.json and the safetensors files.
+#[derive(Debug, Clone)]
+pub struct ModelSource {
+    pub dir: PathBuf,
+    /// `org/name@revision` for hub models, the folder otherwise (for reports).
+    pub description: String,
+}
+
+pub fn is_offline() -> bool {
+    std::env::var("HF_HUB_OFFLINE")
+        .map(|v| {
+            matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "1" | "true" | "yes" | "on"
+            )
+        })
+        .unwrap_or(false)
+}
+
+fn hf_home() -> PathBuf {
+    if let Ok(h) = std::env::var("HF_HOME") {
+        return PathBuf::from(h);
+    }
+    let base = std::env::var("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| ".".into())).join(".cache")
+        });
+    base.join("huggingface")
+}
+
+/// The hub cache folder, as huggingface_hub resolves it.
+pub fn hub_cache_dir() -> PathBuf {
+    match std::env::var("HF_HUB_CACHE") {
+        Ok(p) => PathBuf::from(p),
+        Err(_) => hf_home().join("hub"),
+    }
+}
+
+/// A token from `HF_TOKEN` (or the older `HUGGING_FACE_HUB_TOKEN`), else the token file
+/// (`HF_TOKEN_PATH`, else `$HF_HOME/token`).
+pub fn token() -> Option<String> {
+    for var in ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"] {
+        if let Ok(t) = std::env::var(var) {
+            if !t.trim().is_empty() {
+                return Some(t.trim().to_string());
+            }
+        }
+    }
+    let path = std::env::var("HF_TOKEN_PATH")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| hf_home().join("token"));
+    std::fs::read_to_string(path)
+        .ok()
+        .map(|t| t.trim().to_string())
+        .filter(|t| !t.is_empty())
+}
+
+fn looks_like_repo_id(s: &str) -> bool {
+    let parts: Vec<&str> = s.split('/').collect();
+    parts.len() == 2
+        && parts.iter().all(|p| {
+            !p.is_empty()
+                && !p.starts_with('.')
+                && p.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        })
+}
+
+/// Resolves `--model`: an existing folder, else a hub repo id.
+pub fn resolve(spec: &str, revision: Option<&str>) -> Result<ModelSource> {
+    let path = Path::new(spec);
+    if path.is_dir() {
+        if revision.is_some() {
+            bail!("--revision applies to hub repo ids, but --model {spec} is a local folder");
+        }
+        if !path.join("config.json").is_file() {
+            bail!("{} has no config.json: not a model folder", path.display());
+        }
+        return Ok(ModelSource {
+            dir: path.to_path_buf(),
+            description: path.display().to_string(),
+        });
+    }
+    if path.exists() {
+        bail!(
+            "--model {spec} is a file: pass the folder that holds config.json and the safetensors"
+        );
+    }
+    if !looks_like_repo_id(spec) {
+        bail!("--model {spec}: no such folder, and not a hub repo id of the form org/name");
+    }
+    let rev = revision.unwrap_or("main");
+    let dir = if is_offline() {
+        resolve_offline(spec, rev)?
+    } else {
+        resolve_online(spec, rev)?
+    };
+    Ok(ModelSource {
+        dir,
+        description: format!("{spec}@{rev}"),
+    })
+}
+
+/// The snapshot folder for `repo@rev` in the cache: `refs/<rev>` names the commit, or `rev`
+/// is itself a commit hash.
+fn snapshot_dir(cache: &Path, repo: &str, rev: &str) -> Option<PathBuf> {
+    let root = cache.join(format!("models--{}", repo.replace('/', "--")));
+    let commit = std::fs::read_to_string(root.join("refs").join(rev))
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| rev.to_string());
+    let dir = root.join("snapshots").join(commit);
+    dir.is_dir().then_some(dir)
+}
+
+fn weight_files(dir: &Path) -> Result<Vec<String>> {
+    let index = dir.join(crate::checkpoint::reader::INDEX_FILE);
+    if index.is_file() {
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index)?)
+            .with_context(|| format!("{} is not valid JSON", index.display()))?;
+        let map = v["weight_map"]
+            .as_object()
+            .ok_or_else(|| anyhow!("{} has no weight_map", index.display()))?;
+        let mut files: Vec<String> = map
+            .values()
+            .filter_map(|f| f.as_str().map(str::to_string))
+            .collect();
+        files.sort();
+        files.dedup();
+        Ok(files)
+    } else {
+        Ok(vec![crate::checkpoint::reader::SINGLE_FILE.to_string()])
+    }
+}
+
+fn resolve_offline(repo: &str, rev: &str) -> Result<PathBuf> {
+    let cache = hub_cache_dir();
+    let not_cached = || {
+        anyhow!(
+            "{repo}@{rev} is not in the Hugging Face cache at {} and HF_HUB_OFFLINE=1 forbids downloading: \
+             run once without HF_HUB_OFFLINE, or pass a local folder to --model",
+            cache.display()
+        )
+    };
+    let dir = snapshot_dir(&cache, repo, rev).ok_or_else(not_cached)?;
+    if !dir.join("config.json").is_file() {
+        return Err(not_cached());
+    }
+    for f in weight_files(&dir)? {
+        if !dir.join(&f).is_file() {
+            bail!(
+                "{repo}@{rev} is only partly in the cache at {}: {f} is missing and HF_HUB_OFFLINE=1 forbids downloading it",
+                dir.display()
+            );
+        }
+    }
+    Ok(dir)
+}
+
+fn resolve_online(repo: &str, rev: &str) -> Result<PathBuf> {
+    let cache = hub_cache_dir();
+    let api = hf_hub::api::sync::ApiBuilder::from_cache(Cache::new(cache.clone()))
+        .with_token(token())
+        .with_progress(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .build()
+        .context("cannot set up the Hugging Face hub client")?;
+    let api_repo = api.repo(Repo::with_revision(
+        repo.to_string(),
+        RepoType::Model,
+        rev.to_string(),
+    ));
+    let config = api_repo.get("config.json").map_err(|e| {
+        anyhow!("cannot fetch config.json of {repo}@{rev} from the hub ({e}); check the repo id, the revision, your token (HF_TOKEN) and the network, or set HF_HUB_OFFLINE=1 to use the cache")
+    })?;
+    let dir = config
+        .parent()
+        .expect("a cached file has a folder")
+        .to_path_buf();
+    for f in OPTIONAL_FILES {
+        // Absent optional files are normal (404); anything the model needs is fetched below.
+        let _ = api_repo.get(f);
+    }
+    let index = api_repo.get(crate::checkpoint::reader::INDEX_FILE).ok();
+    if index.is_none() {
+        api_repo
+            .get(crate::checkpoint::reader::SINGLE_FILE)
+            .map_err(|e| anyhow!("{repo}@{rev} has neither model.safetensors.index.json nor model.safetensors ({e})"))?;
+    }
+    for f in weight_files(&dir)? {
+        api_repo
+            .get(&f)
+            .map_err(|e| anyhow!("cannot fetch {f} of {repo}@{rev}: {e}"))?;
+    }
+    Ok(dir)
+}

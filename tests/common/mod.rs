@@ -1,0 +1,94 @@
+//! Helpers for tests that run the binary as a user would.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub fn bin() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_soar-gptq"));
+    for v in ["HF_HUB_OFFLINE", "HF_HOME", "HF_HUB_CACHE", "HF_TOKEN"] {
+        c.env_remove(v);
+    }
+    c
+}
+
+pub fn run(args: &[&str]) -> Output {
+    bin().args(args).output().expect("binary runs")
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Asserts a clean failure: exit code `code` and `needle` in stderr.
+pub fn assert_fails(o: &Output, code: i32, needle: &str) {
+    let err = stderr(o);
+    assert_eq!(
+        o.status.code(),
+        Some(code),
+        "expected exit {code}, stderr: {err}"
+    );
+    assert!(err.contains(needle), "expected {needle:?} in stderr: {err}");
+}
+
+pub fn assert_ok(o: &Output) {
+    assert!(
+        o.status.success(),
+        "command failed: {}\n{}",
+        stderr(o),
+        stdout(o)
+    );
+}
+
+/// A tiny synthetic model (both mixer kinds) in `root/name`, sharded into several files.
+pub fn synth_tiny(root: &Path, name: &str, seed: u64) -> PathBuf {
+    let out = root.join(name);
+    let o = run(&[
+        "synth",
+        "--preset",
+        "tiny",
+        "--out",
+        out.to_str().unwrap(),
+        "--seed",
+        &seed.to_string(),
+        "--shard-size",
+        "4000000",
+    ]);
+    assert_ok(&o);
+    out
+}
+
+pub fn shard_files(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    v.sort();
+    v
+}
+
+/// Rewrites the JSON header of a safetensors file in place with `f` (which must keep its length).
+pub fn edit_header(path: &Path, f: impl FnOnce(&str) -> String) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = String::from_utf8(bytes[8..8 + n].to_vec()).unwrap();
+    let new = f(&header);
+    assert_eq!(new.len(), header.len(), "header edits must keep the length");
+    bytes[8..8 + n].copy_from_slice(new.as_bytes());
+    std::fs::write(path, bytes).unwrap();
+}
+
+pub fn write_text(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+pub fn sample_text() -> String {
+    soar_gptq::eval::DEFAULT_EVAL_TEXT[..40_000].to_string()
+}

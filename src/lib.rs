@@ -1,10 +1,17 @@
 //! soar-gptq: GPTQ W4A16 quantization for MiniCPM-SALA. See ARCHITECTURE.md for the code map.
+
+// Numeric kernels index several arrays with one loop variable, as the papers write them;
+// iterator chains would hide the math.
+#![allow(clippy::needless_range_loop)]
+
+pub mod calib;
 pub mod checkpoint;
 pub mod cli;
 pub mod eval;
 pub mod format;
-
+pub mod gptq;
 pub mod inspect;
 pub mod model;
+pub mod quantize;
 pub mod source;
 pub mod synth;

@@ -152,7 +152,8 @@ impl Checkpoint {
         }
     }
 
-    fn open_files(dir: &Path, files: &[String]) -> Result<Self> {
+    /// Opens the given safetensors files of `dir` as one checkpoint, without an index.
+    pub fn open_files(dir: &Path, files: &[String]) -> Result<Self> {
         let mut shards = Vec::new();
         let mut tensors = BTreeMap::new();
         for (si, file) in files.iter().enumerate() {

@@ -10,6 +10,9 @@ use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
 pub const MANIFEST_FILE: &str = "manifest.json";
+/// Files that the manifest lists without a hash because they legitimately differ between two
+/// identical runs (timings, peak memory); everything else must be byte-identical.
+pub const UNHASHED_FILES: &[&str] = &["quantize_report.json"];
 pub const DEFAULT_SHARD_BYTES: u64 = 4_000_000_000;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -289,7 +292,7 @@ pub fn compute_manifest(dir: &Path) -> Result<serde_json::Value> {
         .filter_map(|e| e.ok())
         .filter(|e| e.path().is_file())
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n != MANIFEST_FILE)
+        .filter(|n| n != MANIFEST_FILE && !UNHASHED_FILES.contains(&n.as_str()))
         .collect();
     names.sort();
     let mut files = serde_json::Map::new();
@@ -301,7 +304,12 @@ pub fn compute_manifest(dir: &Path) -> Result<serde_json::Value> {
             serde_json::json!({"sha256": sha256_file(&p)?, "size": size}),
         );
     }
-    Ok(serde_json::json!({ "files": files }))
+    let unhashed: Vec<&str> = UNHASHED_FILES
+        .iter()
+        .copied()
+        .filter(|n| dir.join(n).is_file())
+        .collect();
+    Ok(serde_json::json!({ "files": files, "unhashed": unhashed }))
 }
 
 pub fn write_manifest(dir: &Path) -> Result<()> {

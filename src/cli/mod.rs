@@ -23,7 +23,12 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Perplexity of a model on a text, with the protocol in docs/eval.md.
+    /// Quantizes a BF16 MiniCPM-SALA checkpoint to a GPTQ (W4A16 by default) checkpoint.
+    Quantize(Box<QuantizeArgs>),
+    /// Rewrites a GPTQ checkpoint with Marlin-tiled weights (B, s), verified bit-exact.
+    PackMarlin(PackMarlinArgs),
+    /// Perplexity of a model on a text (protocol in docs/eval.md), optionally compared with
+    /// other models on the same windows.
     EvalPpl(EvalPplArgs),
     /// What a checkpoint holds; validates it (non-zero exit when validation fails).
     Inspect(InspectArgs),
@@ -39,6 +44,10 @@ pub struct EvalPplArgs {
     /// Hub revision (branch, tag or commit) when --model is a repo id.
     #[arg(long)]
     pub revision: Option<String>,
+    /// Also score these models (BF16, GPTQ or Marlin folders) on the same windows and report
+    /// their perplexity difference, mean KL divergence and top-1 agreement (repeatable).
+    #[arg(long)]
+    pub compare: Vec<PathBuf>,
     /// Text file to score, or `default` for the evaluation text compiled into the binary.
     #[arg(long, default_value = "default")]
     pub data: String,
@@ -61,6 +70,119 @@ pub struct EvalPplArgs {
     #[arg(long, default_value_t = 4)]
     pub batch: usize,
     /// Print one JSON document on stdout instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct QuantizeArgs {
+    /// Model folder or hub repo id (org/name).
+    #[arg(long)]
+    pub model: String,
+    /// Hub revision (branch, tag or commit) when --model is a repo id.
+    #[arg(long)]
+    pub revision: Option<String>,
+    /// Calibration source: `default`, a .txt or .jsonl file, or a folder; append `:WEIGHT` to mix
+    /// several (repeatable).
+    #[arg(long, default_values_t = vec!["default".to_string()])]
+    pub calib: Vec<String>,
+    /// Output folder (written as <out>.partial, renamed when complete).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Bits per weight: 2, 4 or 8.
+    #[arg(long, default_value_t = 4)]
+    pub bits: u8,
+    /// Columns per quantization group (-1: one group per row).
+    #[arg(long, default_value_t = 128, allow_hyphen_values = true)]
+    pub group_size: i64,
+    /// Column order of the solve: static (act-order with fixed groups, trivial g_idx),
+    /// dynamic (desc_act with permuted g_idx) or off.
+    #[arg(long, value_enum, default_value_t = ActOrderArg::Static)]
+    pub act_order: ActOrderArg,
+    /// Asymmetric quantization (zero points); not servable by gptq_marlin.
+    #[arg(long)]
+    pub asym: bool,
+    /// Initial damping as a fraction of mean(diag H); doubled on a failed factorization.
+    #[arg(long, default_value_t = 0.01)]
+    pub damp: f64,
+    /// Calibration windows.
+    #[arg(long, default_value_t = 128)]
+    pub nsamples: usize,
+    /// Tokens per calibration window.
+    #[arg(long, default_value_t = 2048)]
+    pub seqlen: usize,
+    /// Seed for drawing calibration windows.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Keep modules whose full name matches this regex in BF16 (repeatable).
+    #[arg(long)]
+    pub skip: Vec<String>,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// Compute dtype of the calibration forward (default: f32 on the CPU, bf16 on a GPU).
+    #[arg(long, value_enum)]
+    pub dtype: Option<ComputeDtype>,
+    /// Take all Hessians of a layer from the unquantized layer.
+    #[arg(long)]
+    pub no_true_sequential: bool,
+    /// Search clipping scales by MSE (grid 100, shrink to 0.8).
+    #[arg(long)]
+    pub mse: bool,
+    /// Save every Hessian (safetensors) into this folder.
+    #[arg(long)]
+    pub save_hessians: Option<PathBuf>,
+    /// Continue an interrupted run from its last finished layer.
+    #[arg(long)]
+    pub resume: bool,
+    /// Replace --out if it exists.
+    #[arg(long)]
+    pub force: bool,
+    /// Compare perplexity against the source model at the end (on the embedded evaluation text).
+    #[arg(long)]
+    pub verify: bool,
+    /// gptq, or rtn (round-to-nearest baseline through the same writer).
+    #[arg(long, value_enum, default_value_t = MethodArg::Gptq)]
+    pub method: MethodArg,
+    /// Calibration windows per forward batch.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Largest output shard in bytes.
+    #[arg(long, default_value_t = DEFAULT_SHARD_BYTES)]
+    pub shard_size: u64,
+    /// Print the report as one JSON document on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// Testing aid: fail after this many layers (leaves a resumable <out>.partial).
+    #[arg(long, hide = true)]
+    pub stop_after_layers: Option<usize>,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActOrderArg {
+    Static,
+    Dynamic,
+    Off,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MethodArg {
+    Gptq,
+    Rtn,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct PackMarlinArgs {
+    /// GPTQ checkpoint folder.
+    #[arg(long = "in")]
+    pub input: PathBuf,
+    /// Output folder.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Replace --out if it exists.
+    #[arg(long)]
+    pub force: bool,
+    /// Print the report as one JSON document on stdout.
     #[arg(long)]
     pub json: bool,
 }
@@ -152,6 +274,81 @@ fn read_eval_text(data: &str) -> Result<String> {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::Quantize(a) => {
+            let device = parse_device(&a.device)?;
+            let opts = crate::quantize::QuantizeOptions {
+                model: a.model.clone(),
+                revision: a.revision.clone(),
+                calib: a
+                    .calib
+                    .iter()
+                    .map(|c| crate::calib::CalibSpec::parse(c))
+                    .collect::<Result<_>>()?,
+                out: a.out.clone(),
+                bits: a.bits,
+                group_size: a.group_size,
+                act_order: match a.act_order {
+                    ActOrderArg::Static => crate::gptq::ActOrder::Static,
+                    ActOrderArg::Dynamic => crate::gptq::ActOrder::Dynamic,
+                    ActOrderArg::Off => crate::gptq::ActOrder::Off,
+                },
+                sym: !a.asym,
+                damp: a.damp,
+                nsamples: a.nsamples,
+                seqlen: a.seqlen,
+                seed: a.seed,
+                skip: a.skip.clone(),
+                dtype: compute_dtype(a.dtype, &device),
+                device,
+                true_sequential: !a.no_true_sequential,
+                mse: a.mse,
+                save_hessians: a.save_hessians.clone(),
+                resume: a.resume,
+                force: a.force,
+                method: match a.method {
+                    MethodArg::Gptq => crate::quantize::Method::Gptq,
+                    MethodArg::Rtn => crate::quantize::Method::Rtn,
+                },
+                batch: a.batch,
+                shard_bytes: a.shard_size,
+                stop_after_layers: a.stop_after_layers,
+            };
+            if !(a.damp > 0.0 && a.damp < 1.0) {
+                bail!("--damp {} must be in (0, 1)", a.damp);
+            }
+            let mut report = crate::quantize::quantize(&opts)?;
+            if a.verify {
+                let src = crate::source::resolve(&a.model, a.revision.as_deref())?;
+                let popts = PplOptions {
+                    seqlen: a.seqlen.min(512),
+                    max_windows: Some(16),
+                    bos: false,
+                    dtype: opts.dtype,
+                    device: opts.device.clone(),
+                    batch: a.batch,
+                };
+                let c = crate::eval::compare(
+                    &src.dir,
+                    std::slice::from_ref(&a.out),
+                    DEFAULT_EVAL_TEXT,
+                    &popts,
+                )?;
+                eprintln!(
+                    "verify: ppl {:.4} (source) → {:.4} (quantized), mean KL {:.5}, top-1 agreement {:.2}%",
+                    c.reference.ppl,
+                    c.compared[0].ppl,
+                    c.compared[0].mean_kl,
+                    100.0 * c.compared[0].top1_agreement
+                );
+                report.verify = Some(serde_json::to_value(&c)?);
+                crate::quantize::rewrite_report(&a.out, &report)?;
+            }
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                report.print_text();
+            }
+        }
         Command::Synth(a) => {
             let cfg = match (&a.config, &a.preset) {
                 (Some(p), _) => crate::model::Config::from_file(p)?,
@@ -169,7 +366,25 @@ fn run(cli: Cli) -> Result<()> {
             eprintln!("wrote {} ({} parameters)", out.display(), cfg.param_count());
         }
         Command::Inspect(a) => {
-            let report = crate::inspect::inspect(&a.dir)?;
+            if crate::format::quantized::read_quant_info(&a.dir)?.is_some() {
+                let report = crate::format::inspect::inspect_quantized(&a.dir)?;
+                if a.json {
+                    println!("{}", serde_json::to_string_pretty(&report)?);
+                } else {
+                    report.print_text();
+                }
+            } else {
+                let report = crate::inspect::inspect(&a.dir)?;
+                if a.json {
+                    println!("{}", serde_json::to_string_pretty(&report)?);
+                } else {
+                    report.print_text();
+                }
+            }
+        }
+        Command::PackMarlin(a) => {
+            let report =
+                crate::format::pack_marlin::pack_marlin_checkpoint(&a.input, &a.out, a.force)?;
             if a.json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
@@ -188,21 +403,43 @@ fn run(cli: Cli) -> Result<()> {
                 device,
             };
             let text = read_eval_text(&a.data)?;
-            let r = crate::eval::perplexity(&src.dir, &text, &opts)?;
-            if a.json {
-                println!("{}", serde_json::to_string_pretty(&r)?);
+            let c = crate::eval::compare(&src.dir, &a.compare, &text, &opts)?;
+            if a.json && a.compare.is_empty() {
+                println!("{}", serde_json::to_string_pretty(&c.reference)?);
+            } else if a.json {
+                println!("{}", serde_json::to_string_pretty(&c)?);
             } else {
-                println!("model     {}", src.description);
-                println!("ppl       {:.4}", r.ppl);
-                println!("nll       {:.6} (mean per token)", r.nll);
-                println!(
-                    "scored    {} tokens in {} windows of {}",
-                    r.tokens, r.windows, r.seqlen
-                );
+                print_comparison(&src.description, &c);
             }
         }
     }
     Ok(())
+}
+
+fn print_comparison(reference: &str, c: &crate::eval::CompareReport) {
+    let r = &c.reference;
+    println!(
+        "scored {} tokens in {} windows of {} (protocol: docs/eval.md)",
+        r.tokens, r.windows, r.seqlen
+    );
+    println!(
+        "{:<40} {:>10} {:>10} {:>10} {:>8}",
+        "model", "ppl", "Δppl", "mean KL", "top-1"
+    );
+    println!(
+        "{:<40} {:>10.4} {:>10} {:>10} {:>8}",
+        reference, r.ppl, "-", "-", "-"
+    );
+    for m in &c.compared {
+        println!(
+            "{:<40} {:>10.4} {:>+10.4} {:>10.5} {:>7.2}%",
+            m.model,
+            m.ppl,
+            m.delta_ppl,
+            m.mean_kl,
+            100.0 * m.top1_agreement
+        );
+    }
 }
 
 /// Entry point of the binary; returns the process exit code.

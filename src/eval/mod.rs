@@ -8,9 +8,13 @@
 //! window.
 
 use crate::checkpoint::Checkpoint;
-use crate::model::{Config, Model};
+use crate::format::quantized::{
+    dequantize_module, quantized_prefixes, read_quant_info, validate_quantized, QuantInfo,
+};
+use crate::model::{Config, DecoderLayer, Model};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
+use std::collections::BTreeSet;
 use std::path::Path;
 
 /// Evaluation text compiled into the binary (`--data default`): held out from calibration and
@@ -37,22 +41,69 @@ pub struct PplReport {
     pub seqlen: usize,
 }
 
-/// A model folder opened for evaluation: config, validated checkpoint, tokenizer.
+/// A model folder opened for evaluation: config, validated checkpoint, tokenizer, and for
+/// quantized folders (GPTQ v1/v2 or Marlin) the quantization settings; their weights are
+/// dequantized on load.
 pub struct LoadedModel {
+    pub dir: std::path::PathBuf,
     pub cfg: Config,
     pub ck: Checkpoint,
     pub tokenizer: tokenizers::Tokenizer,
+    pub quant: Option<(QuantInfo, BTreeSet<String>)>,
 }
 
 impl LoadedModel {
     pub fn open(dir: &Path) -> Result<Self> {
         let cfg = Config::from_file(&dir.join("config.json"))?;
         let ck = Checkpoint::open(dir)?;
-        ck.validate_exact(&cfg.expected_tensors())?;
+        let quant = match read_quant_info(dir)? {
+            Some(info) => {
+                validate_quantized(&ck, &info, &cfg.expected_tensors())?;
+                let prefixes = quantized_prefixes(&ck, &info).into_iter().collect();
+                Some((info, prefixes))
+            }
+            None => {
+                ck.validate_exact(&cfg.expected_tensors())?;
+                None
+            }
+        };
         let tok_path = dir.join("tokenizer.json");
         let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
             .map_err(|e| anyhow::anyhow!("cannot load {}: {e}", tok_path.display()))?;
-        Ok(Self { cfg, ck, tokenizer })
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            cfg,
+            ck,
+            tokenizer,
+            quant,
+        })
+    }
+
+    /// A tensor by its BF16-layout name; a quantized Linear's `.weight` is decoded (on the CPU)
+    /// from its stored codes and scales.
+    pub fn tensor(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
+        if let Some((info, prefixes)) = &self.quant {
+            if let Some(prefix) = name
+                .strip_suffix(".weight")
+                .filter(|p| prefixes.contains(*p))
+            {
+                let (w, n, k) = dequantize_module(&self.ck, info, prefix)?;
+                return Ok(Tensor::from_vec(w, (n, k), &Device::Cpu)?
+                    .to_dtype(dtype)?
+                    .to_device(device)?);
+            }
+        }
+        self.ck.tensor(name, dtype, device)
+    }
+
+    pub fn model(&self, dtype: DType, device: &Device) -> Result<Model> {
+        Model::from_tensors(&self.cfg, dtype, device, &|n| self.tensor(n, dtype, device))
+            .with_context(|| format!("loading embeddings and head of {}", self.dir.display()))
+    }
+
+    pub fn layer(&self, i: usize, dtype: DType, device: &Device) -> Result<DecoderLayer> {
+        DecoderLayer::from_tensors(&self.cfg, i, &|n| self.tensor(n, dtype, device))
+            .with_context(|| format!("loading decoder layer {i} of {}", self.dir.display()))
     }
 }
 
@@ -105,8 +156,8 @@ pub fn make_windows(
 
 /// Final hidden states (before the head) of every window, computed layer by layer.
 pub fn final_hidden_states(
+    lm: &LoadedModel,
     model: &Model,
-    ck: &Checkpoint,
     windows: &[Vec<u32>],
     batch: usize,
     what: &str,
@@ -120,7 +171,7 @@ pub fn final_hidden_states(
     }
     let pb = crate::cli::progress::bar(model.cfg.num_hidden_layers as u64, what);
     for i in 0..model.cfg.num_hidden_layers {
-        let layer = model.load_layer(ck, i)?;
+        let layer = lm.layer(i, model.dtype, &model.device)?;
         for h in states.iter_mut() {
             *h = layer.forward(h, &mut |_, _| Ok(()))?;
         }
@@ -151,25 +202,99 @@ pub fn batch_nll(logp: &Tensor, windows: &[Vec<u32>]) -> Result<(f64, usize)> {
     Ok((-sum, b * (t - 1)))
 }
 
+/// One compared model's scores against the reference, on the same windows.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Comparison {
+    pub model: String,
+    pub ppl: f64,
+    pub nll: f64,
+    /// ppl − reference ppl.
+    pub delta_ppl: f64,
+    /// Mean over scored positions of KL(P_reference ‖ P_model), in nats.
+    pub mean_kl: f64,
+    /// Fraction of positions where both models rank the same token first.
+    pub top1_agreement: f64,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CompareReport {
+    pub reference: PplReport,
+    pub reference_model: String,
+    pub compared: Vec<Comparison>,
+}
+
 pub fn perplexity(dir: &Path, text: &str, opts: &PplOptions) -> Result<PplReport> {
-    let lm = LoadedModel::open(dir)?;
+    Ok(compare(dir, &[], text, opts)?.reference)
+}
+
+/// Scores the reference and every compared model on the same windows (tokenized with the
+/// reference's tokenizer). Hidden states are computed layer by layer per model; logits exist
+/// for one batch of windows at a time.
+pub fn compare(
+    reference: &Path,
+    others: &[std::path::PathBuf],
+    text: &str,
+    opts: &PplOptions,
+) -> Result<CompareReport> {
+    let lm = LoadedModel::open(reference)?;
     let windows = make_windows(&lm.tokenizer, text, &lm.cfg, opts)?;
-    let model = Model::load(&lm.ck, &lm.cfg, opts.dtype, &opts.device)
-        .context("loading embeddings and head")?;
+    let model = lm.model(opts.dtype, &opts.device)?;
     model.check_length(opts.seqlen)?;
-    let states = final_hidden_states(&model, &lm.ck, &windows, opts.batch, "eval")?;
+    let ref_states = final_hidden_states(&lm, &model, &windows, opts.batch, "reference")?;
+    let batches: Vec<&[Vec<u32>]> = windows.chunks(opts.batch.max(1)).collect();
     let (mut nll, mut count) = (0.0, 0usize);
-    for (h, ws) in states.iter().zip(windows.chunks(opts.batch.max(1))) {
+    for (h, ws) in ref_states.iter().zip(&batches) {
         let (s, c) = batch_nll(&log_probs(&model, h)?, ws)?;
         nll += s;
         count += c;
     }
     let mean = nll / count as f64;
-    Ok(PplReport {
+    let ref_report = PplReport {
         ppl: mean.exp(),
         nll: mean,
         tokens: count,
         windows: windows.len(),
         seqlen: opts.seqlen,
+    };
+    let mut compared = vec![];
+    for other in others {
+        let om = LoadedModel::open(other)?;
+        if om.cfg.vocab_size != lm.cfg.vocab_size {
+            bail!(
+                "--compare {}: vocab_size {} differs from the reference's {}; the models cannot be compared token by token",
+                other.display(),
+                om.cfg.vocab_size,
+                lm.cfg.vocab_size
+            );
+        }
+        let omodel = om.model(opts.dtype, &opts.device)?;
+        let states = final_hidden_states(&om, &omodel, &windows, opts.batch, "compare")?;
+        let (mut nll, mut kl, mut agree) = (0.0, 0.0, 0usize);
+        for ((h, rh), ws) in states.iter().zip(&ref_states).zip(&batches) {
+            let (lp, rlp) = (log_probs(&omodel, h)?, log_probs(&model, rh)?);
+            nll += batch_nll(&lp, ws)?.0;
+            let t = lp.dim(1)? - 1;
+            let (lp, rlp) = (lp.narrow(1, 0, t)?, rlp.narrow(1, 0, t)?);
+            kl += (rlp.exp()? * (&rlp - &lp)?)?
+                .sum_all()?
+                .to_dtype(DType::F64)?
+                .to_scalar::<f64>()?;
+            let same = lp.argmax(D::Minus1)?.eq(&rlp.argmax(D::Minus1)?)?;
+            agree += same.to_dtype(DType::U32)?.sum_all()?.to_scalar::<u32>()? as usize;
+        }
+        let m = nll / count as f64;
+        compared.push(Comparison {
+            model: other.display().to_string(),
+            ppl: m.exp(),
+            nll: m,
+            delta_ppl: m.exp() - ref_report.ppl,
+            mean_kl: kl / count as f64,
+            top1_agreement: agree as f64 / count as f64,
+        });
+    }
+    Ok(CompareReport {
+        reference: ref_report,
+        reference_model: reference.display().to_string(),
+        compared,
     })
 }

@@ -1,12 +1,25 @@
-//! On-disk formats: GPTQ bit packing and the Marlin tile layout.
+//! On-disk formats: GPTQ bit packing, the Marlin tile layout, and quantized checkpoints.
 //!
-//! Pure, bit-exact transforms between dense code matrices and the words checkpoints store; no I/O.
-//! Codes are always `[K, N]` row-major (`K` = in_features, `N` = out_features), the transposed
-//! layout both GPTQ and Marlin pack. [`pack`] covers GPTQ `qweight`/`qzeros` (spec
-//! `gptq-and-marlin.md` B), [`marlin`] the Marlin `B` tiles and scale permutations (spec C).
+//! Pure, bit-exact transforms between dense code matrices and the words checkpoints store live in
+//! [`pack`] (GPTQ `qweight`/`qzeros`, spec `gptq-and-marlin.md` B) and [`marlin`] (Marlin `B`
+//! tiles and scale permutations, spec C); they do no I/O. Codes are always `[K, N]` row-major
+//! (`K` = in_features, `N` = out_features), the transposed layout both GPTQ and Marlin pack.
+//!
+//! On top of them, for whole checkpoints (ours or anyone's, any architecture; quantized modules
+//! are found by their tensors):
+//! * [`quantized`]: reading GPTQ v1/v2 and Marlin checkpoints: settings ([`read_quant_info`],
+//!   `dynamic` rules), validation ([`validate_quantized`]) and bit-exact dequantization
+//!   ([`dequantize_module`]);
+//! * [`pack_marlin`](mod@pack_marlin): the `pack-marlin` command ([`pack_marlin_checkpoint`]),
+//!   including our act-order extension `{p}.g_idx_sort_indices`;
+//! * [`inspect`]: `inspect` of a quantized checkpoint ([`inspect_quantized`]), with the
+//!   SGLang / vLLM `gptq_marlin` eligibility.
 
+pub mod inspect;
 pub mod marlin;
 pub mod pack;
+pub mod pack_marlin;
+pub mod quantized;
 
 pub use marlin::{
     check_marlin_shape, gptq_codes_to_marlin, marlin_sort_indices, marlin_to_gptq_codes,
@@ -15,6 +28,14 @@ pub use marlin::{
 pub use pack::{
     dequantize_gptq, f16_le_bytes_to_f32, f32_to_f16_le_bytes, i32_to_le_bytes, le_bytes_to_i32,
     pack_qweight, pack_qzeros, unpack_qweight, unpack_qzeros, GptqTensors,
+};
+
+pub use inspect::{gptq_marlin_verdicts, inspect_quantized, EngineVerdict, QuantInspectReport};
+pub use pack_marlin::{pack_marlin_checkpoint, PackMarlinReport};
+pub use quantized::{
+    check_quantized_module, dequantize_module, quantized_prefixes, read_quant_info,
+    validate_quantized, validate_quantized_modules, ModuleQuant, QuantFormat, QuantInfo,
+    QuantModule,
 };
 
 /// Deterministic xorshift64 for the format tests (no rand dependency).

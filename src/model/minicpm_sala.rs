@@ -135,6 +135,8 @@ pub struct DecoderLayer {
     pub gate_proj: Linear,
     pub up_proj: Linear,
     pub down_proj: Linear,
+    /// Use the composed (differentiable) softmax instead of the fused one; for training.
+    pub differentiable: bool,
     cfg: LayerConsts,
 }
 
@@ -160,8 +162,18 @@ impl DecoderLayer {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
+        Self::from_tensors(cfg, i, &|name| ck.tensor(name, dtype, device))
+    }
+
+    /// Builds layer `i` from tensors fetched by full name (`model.layers.{i}.…`); the trainer
+    /// passes `Var`s here so the same forward pass is differentiated.
+    pub fn from_tensors(
+        cfg: &Config,
+        i: usize,
+        get: &dyn Fn(&str) -> Result<Tensor>,
+    ) -> Result<Self> {
         let p = format!("model.layers.{i}.");
-        let t = |name: &str| ck.tensor(&format!("{p}{name}"), dtype, device);
+        let t = |name: &str| get(&format!("{p}{name}"));
         let lin = |name: &str| -> Result<Linear> {
             Ok(Linear {
                 weight: t(&format!("{name}.weight"))?,
@@ -237,6 +249,7 @@ impl DecoderLayer {
             gate_proj: lin("mlp.gate_proj")?,
             up_proj: lin("mlp.up_proj")?,
             down_proj: lin("mlp.down_proj")?,
+            differentiable: false,
             cfg: consts,
         })
     }
@@ -308,7 +321,12 @@ impl DecoderLayer {
                 );
                 let scores = (qf.matmul(&kf.t()?.contiguous()?)? / (c.head_dim as f64).sqrt())?;
                 let mask = causal_mask(t, h.device())?;
-                let p = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
+                let masked = scores.broadcast_add(&mask)?;
+                let p = if self.differentiable {
+                    candle_nn::ops::softmax(&masked, D::Minus1)?
+                } else {
+                    candle_nn::ops::softmax_last_dim(&masked)?
+                };
                 let o = p
                     .matmul(&vf)?
                     .transpose(1, 2)?
@@ -406,14 +424,24 @@ pub struct Model {
 
 impl Model {
     pub fn load(ck: &Checkpoint, cfg: &Config, dtype: DType, device: &Device) -> Result<Self> {
+        Self::from_tensors(cfg, dtype, device, &|name| ck.tensor(name, dtype, device))
+    }
+
+    /// Embedding, final norm and head from tensors fetched by name (see [`DecoderLayer::from_tensors`]).
+    pub fn from_tensors(
+        cfg: &Config,
+        dtype: DType,
+        device: &Device,
+        get: &dyn Fn(&str) -> Result<Tensor>,
+    ) -> Result<Self> {
         Ok(Self {
             cfg: cfg.clone(),
             dtype,
             device: device.clone(),
-            embed_tokens: ck.tensor("model.embed_tokens.weight", dtype, device)?,
-            norm: ck.tensor("model.norm.weight", dtype, device)?,
+            embed_tokens: get("model.embed_tokens.weight")?,
+            norm: get("model.norm.weight")?,
             lm_head: Linear {
-                weight: ck.tensor("lm_head.weight", dtype, device)?,
+                weight: get("lm_head.weight")?,
             },
         })
     }

@@ -1,0 +1,472 @@
+//! Calibration data: sources (the embedded default mix, `.txt`, `.jsonl` with `text` or chat
+//! `messages`, or folders of those), each with a weight, turned into `nsamples` token windows of
+//! `seqlen` tokens drawn with a seed. Chat messages are rendered with the model's own
+//! `chat_template` through minijinja.
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use std::path::Path;
+
+/// The default corpus (calibration/SOURCES.md): name, weight, kind, text.
+pub const DEFAULT_SOURCES: &[(&str, f64, Kind, &str)] = &[
+    (
+        "default/wiki",
+        0.25,
+        Kind::Text,
+        include_str!("../../calibration/default/wiki.txt"),
+    ),
+    (
+        "default/web",
+        0.15,
+        Kind::Text,
+        include_str!("../../calibration/default/web.txt"),
+    ),
+    (
+        "default/code",
+        0.15,
+        Kind::Text,
+        include_str!("../../calibration/default/code.txt"),
+    ),
+    (
+        "default/technical",
+        0.10,
+        Kind::Text,
+        include_str!("../../calibration/default/technical.txt"),
+    ),
+    (
+        "default/multilingual",
+        0.10,
+        Kind::Text,
+        include_str!("../../calibration/default/multilingual.txt"),
+    ),
+    (
+        "default/stories",
+        0.05,
+        Kind::Text,
+        include_str!("../../calibration/default/stories.txt"),
+    ),
+    (
+        "default/chat",
+        0.20,
+        Kind::Jsonl,
+        include_str!("../../calibration/default/chat.jsonl"),
+    ),
+];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Text,
+    Jsonl,
+}
+
+/// One `--calib` argument: `default`, a file or a folder, with an optional `:WEIGHT` suffix.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CalibSpec {
+    pub path: String,
+    pub weight: f64,
+}
+
+impl CalibSpec {
+    pub fn parse(s: &str) -> Result<Self> {
+        if let Some((p, w)) = s.rsplit_once(':') {
+            if let Ok(weight) = w.parse::<f64>() {
+                if !(weight > 0.0 && weight.is_finite()) {
+                    bail!("--calib {s}: the weight must be a positive number");
+                }
+                return Ok(Self {
+                    path: p.to_string(),
+                    weight,
+                });
+            }
+        }
+        Ok(Self {
+            path: s.to_string(),
+            weight: 1.0,
+        })
+    }
+}
+
+/// The model-specific pieces that turn chat messages into text.
+pub struct ChatFormat {
+    pub template: Option<String>,
+    pub bos_token: String,
+    pub eos_token: String,
+}
+
+impl ChatFormat {
+    /// Reads `chat_template` from `chat_template.jinja` or `tokenizer_config.json` in `dir`.
+    pub fn from_model_dir(dir: &Path) -> Result<Self> {
+        let mut f = ChatFormat {
+            template: None,
+            bos_token: "<s>".into(),
+            eos_token: "</s>".into(),
+        };
+        let tc = dir.join("tokenizer_config.json");
+        if tc.is_file() {
+            let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tc)?)
+                .with_context(|| format!("{} is not valid JSON", tc.display()))?;
+            let tok = |k: &str| -> Option<String> {
+                match &v[k] {
+                    serde_json::Value::String(s) => Some(s.clone()),
+                    o => o["content"].as_str().map(str::to_string),
+                }
+            };
+            if let Some(b) = tok("bos_token") {
+                f.bos_token = b;
+            }
+            if let Some(e) = tok("eos_token") {
+                f.eos_token = e;
+            }
+            f.template = v["chat_template"].as_str().map(str::to_string);
+        }
+        let jinja = dir.join("chat_template.jinja");
+        if jinja.is_file() {
+            f.template = Some(std::fs::read_to_string(&jinja)?);
+        }
+        Ok(f)
+    }
+
+    /// Renders one conversation. Without a template, ChatML (what MiniCPM uses) is written.
+    pub fn render(&self, messages: &serde_json::Value) -> Result<String> {
+        match &self.template {
+            Some(t) => {
+                let mut env = minijinja::Environment::new();
+                env.add_function(
+                    "raise_exception",
+                    |msg: String| -> std::result::Result<String, minijinja::Error> {
+                        Err(minijinja::Error::new(
+                            minijinja::ErrorKind::InvalidOperation,
+                            msg,
+                        ))
+                    },
+                );
+                env.add_template("chat", t)
+                    .map_err(|e| anyhow!("cannot parse the model's chat_template: {e}"))?;
+                let ctx = minijinja::context! {
+                    messages => minijinja::Value::from(minijinja::value::Serde(messages)),
+                    bos_token => &self.bos_token,
+                    eos_token => &self.eos_token,
+                    add_generation_prompt => false,
+                };
+                env.get_template("chat")
+                    .unwrap()
+                    .render(ctx)
+                    .map_err(|e| anyhow!("the model's chat_template failed: {e}"))
+            }
+            None => {
+                let mut s = self.bos_token.clone();
+                for m in messages.as_array().into_iter().flatten() {
+                    s.push_str(&format!(
+                        "<|im_start|>{}\n{}<|im_end|>\n",
+                        m["role"].as_str().unwrap_or("user"),
+                        m["content"].as_str().unwrap_or("")
+                    ));
+                }
+                Ok(s)
+            }
+        }
+    }
+}
+
+/// Documents of one source, as text.
+fn documents_from(kind: Kind, text: &str, name: &str, chat: &ChatFormat) -> Result<Vec<String>> {
+    match kind {
+        Kind::Text => Ok(vec![text.to_string()]),
+        Kind::Jsonl => {
+            let mut docs = vec![];
+            for (i, line) in text.lines().enumerate() {
+                if line.trim().is_empty() {
+                    continue;
+                }
+                let v: serde_json::Value = serde_json::from_str(line)
+                    .with_context(|| format!("{name} line {}: not valid JSON", i + 1))?;
+                if let Some(t) = v["text"].as_str() {
+                    docs.push(t.to_string());
+                } else if v["messages"].is_array() {
+                    docs.push(
+                        chat.render(&v["messages"])
+                            .with_context(|| format!("{name} line {}", i + 1))?,
+                    );
+                } else {
+                    bail!(
+                        "{name} line {}: expected an object with \"text\" or \"messages\"",
+                        i + 1
+                    );
+                }
+            }
+            Ok(docs)
+        }
+    }
+}
+
+/// A named source of documents with its weight.
+pub struct Source {
+    pub name: String,
+    pub weight: f64,
+    pub docs: Vec<String>,
+}
+
+fn file_source(path: &Path, weight: f64, chat: &ChatFormat) -> Result<Source> {
+    let name = path.display().to_string();
+    let kind = match path.extension().and_then(|e| e.to_str()) {
+        Some("txt") | Some("md") => Kind::Text,
+        Some("jsonl") => Kind::Jsonl,
+        _ => bail!("--calib {name}: expected a .txt or .jsonl file (or a folder of them)"),
+    };
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read calibration file {name}"))?;
+    Ok(Source {
+        docs: documents_from(kind, &text, &name, chat)?,
+        name,
+        weight,
+    })
+}
+
+/// Expands `--calib` arguments into sources. A folder contributes each .txt/.jsonl file in it
+/// (sorted), sharing the folder's weight equally; `default` is the embedded mix.
+pub fn load_sources(specs: &[CalibSpec], chat: &ChatFormat) -> Result<Vec<Source>> {
+    let mut out = vec![];
+    for spec in specs {
+        if spec.path == "default" {
+            for (name, w, kind, text) in DEFAULT_SOURCES {
+                out.push(Source {
+                    name: name.to_string(),
+                    weight: w * spec.weight,
+                    docs: documents_from(*kind, text, name, chat)?,
+                });
+            }
+            continue;
+        }
+        let p = Path::new(&spec.path);
+        if p.is_dir() {
+            let mut files: Vec<_> = std::fs::read_dir(p)
+                .with_context(|| format!("cannot list --calib folder {}", p.display()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|f| {
+                    f.is_file()
+                        && matches!(
+                            f.extension().and_then(|e| e.to_str()),
+                            Some("txt" | "jsonl")
+                        )
+                })
+                .collect();
+            files.sort();
+            if files.is_empty() {
+                bail!(
+                    "--calib folder {} holds no .txt or .jsonl files",
+                    p.display()
+                );
+            }
+            let w = spec.weight / files.len() as f64;
+            for f in files {
+                out.push(file_source(&f, w, chat)?);
+            }
+        } else if p.is_file() {
+            out.push(file_source(p, spec.weight, chat)?);
+        } else {
+            bail!(
+                "--calib {}: no such file or folder (or use `default`)",
+                spec.path
+            );
+        }
+    }
+    Ok(out)
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct SourceUsage {
+    pub name: String,
+    pub weight: f64,
+    pub tokens_available: usize,
+    pub windows: usize,
+    pub tokens_used: usize,
+}
+
+/// The calibration windows and what went into them.
+#[derive(Debug, Clone)]
+pub struct CalibSet {
+    pub windows: Vec<Vec<u32>>,
+    pub usage: Vec<SourceUsage>,
+    /// SHA-256 over the token ids of every window, in order.
+    pub sha256: String,
+}
+
+/// SplitMix64, for window positions.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E3779B97F4A7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// Splits `n` windows over sources by weight (largest remainders, ties to the earlier source).
+fn allocate(n: usize, weights: &[f64]) -> Vec<usize> {
+    let total: f64 = weights.iter().sum();
+    let exact: Vec<f64> = weights.iter().map(|w| n as f64 * w / total).collect();
+    let mut alloc: Vec<usize> = exact.iter().map(|x| x.floor() as usize).collect();
+    let mut order: Vec<usize> = (0..weights.len()).collect();
+    order.sort_by(|&a, &b| {
+        (exact[b] - exact[b].floor())
+            .total_cmp(&(exact[a] - exact[a].floor()))
+            .then(a.cmp(&b))
+    });
+    let mut left = n - alloc.iter().sum::<usize>();
+    for i in order {
+        if left == 0 {
+            break;
+        }
+        alloc[i] += 1;
+        left -= 1;
+    }
+    alloc
+}
+
+/// Tokenizes each source (documents joined by blank lines, one pass) and draws windows of
+/// `seqlen` tokens at seeded random positions.
+pub fn build_windows(
+    sources: &[Source],
+    tokenizer: &tokenizers::Tokenizer,
+    vocab_size: usize,
+    nsamples: usize,
+    seqlen: usize,
+    seed: u64,
+) -> Result<CalibSet> {
+    if nsamples == 0 || seqlen < 2 {
+        bail!("--nsamples must be at least 1 and --seqlen at least 2");
+    }
+    let alloc = allocate(
+        nsamples,
+        &sources.iter().map(|s| s.weight).collect::<Vec<_>>(),
+    );
+    let mut rng = Rng(seed ^ 0x5EED_CA11);
+    let mut windows = vec![];
+    let mut usage = vec![];
+    for (src, &n) in sources.iter().zip(&alloc) {
+        let text = src.docs.join("\n\n");
+        let ids = tokenizer
+            .encode(text.as_str(), false)
+            .map_err(|e| anyhow!("cannot tokenize {}: {e}", src.name))?
+            .get_ids()
+            .to_vec();
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab_size) {
+            bail!(
+                "tokenizing {} produced id {bad}, beyond the model's vocab_size {vocab_size}",
+                src.name
+            );
+        }
+        if n > 0 && ids.len() < seqlen {
+            bail!(
+                "calibration source {} has only {} tokens, fewer than one window of --seqlen {seqlen}: give more text, a smaller --seqlen, or a lower weight",
+                src.name,
+                ids.len()
+            );
+        }
+        for _ in 0..n {
+            let start = rng.below(ids.len() - seqlen + 1);
+            windows.push(ids[start..start + seqlen].to_vec());
+        }
+        usage.push(SourceUsage {
+            name: src.name.clone(),
+            weight: src.weight,
+            tokens_available: ids.len(),
+            windows: n,
+            tokens_used: n * seqlen,
+        });
+    }
+    let total_tokens: usize = usage.iter().map(|u| u.tokens_available).sum();
+    if total_tokens < seqlen {
+        bail!("the calibration data holds {total_tokens} tokens in all, fewer than one window of --seqlen {seqlen}");
+    }
+    let mut h = Sha256::new();
+    for w in &windows {
+        for id in w {
+            h.update(id.to_le_bytes());
+        }
+    }
+    Ok(CalibSet {
+        windows,
+        usage,
+        sha256: crate::checkpoint::writer::hex(&h.finalize()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_parse_weights() {
+        assert_eq!(
+            CalibSpec::parse("a.txt:0.5").unwrap(),
+            CalibSpec {
+                path: "a.txt".into(),
+                weight: 0.5
+            }
+        );
+        assert_eq!(CalibSpec::parse("default").unwrap().weight, 1.0);
+        assert_eq!(CalibSpec::parse("dir/x:y.txt").unwrap().path, "dir/x:y.txt");
+        assert!(CalibSpec::parse("a.txt:0").is_err());
+    }
+
+    #[test]
+    fn allocation_is_proportional_and_exact() {
+        assert_eq!(allocate(10, &[0.5, 0.5]), vec![5, 5]);
+        assert_eq!(allocate(7, &[1.0, 1.0, 1.0]).iter().sum::<usize>(), 7);
+        assert_eq!(
+            allocate(128, &[0.25, 0.15, 0.15, 0.1, 0.1, 0.05, 0.2]),
+            vec![32, 19, 19, 13, 13, 6, 26]
+        );
+    }
+
+    #[test]
+    fn chat_messages_render_with_the_template_or_chatml() {
+        let msgs = serde_json::json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]);
+        let plain = ChatFormat {
+            template: None,
+            bos_token: "<s>".into(),
+            eos_token: "</s>".into(),
+        };
+        assert_eq!(
+            plain.render(&msgs).unwrap(),
+            "<s><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n"
+        );
+        let t = "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}";
+        let f = ChatFormat {
+            template: Some(t.into()),
+            bos_token: "<s>".into(),
+            eos_token: "</s>".into(),
+        };
+        assert_eq!(f.render(&msgs).unwrap(), "<s>[user]hi[assistant]hello");
+    }
+
+    #[test]
+    fn the_default_mix_has_every_kind_of_text() {
+        let chat = ChatFormat {
+            template: None,
+            bos_token: "<s>".into(),
+            eos_token: "</s>".into(),
+        };
+        let s = load_sources(&[CalibSpec::parse("default").unwrap()], &chat).unwrap();
+        assert_eq!(s.len(), 7);
+        assert!(
+            s.iter().any(|s| s
+                .docs
+                .iter()
+                .any(|d| d.chars().any(|c| ('\u{4e00}'..='\u{9fff}').contains(&c)))),
+            "Chinese text"
+        );
+        assert!(
+            s.iter().any(|s| s.docs[0].starts_with("<s><|im_start|>")),
+            "chat-formatted text"
+        );
+        assert!((s.iter().map(|s| s.weight).sum::<f64>() - 1.0).abs() < 1e-9);
+    }
+}

@@ -1,0 +1,470 @@
+//! `pack-marlin`: a GPTQ checkpoint (v1 or v2, ours or anyone's; modules found by their
+//! `{p}.qweight`) rewritten in the Marlin tile layout the kernel reads directly.
+//!
+//! Per quantized Linear `p` (K = in_features, N = out_features, g = group size, G = K / g):
+//!
+//! | tensor | dtype | shape | content |
+//! |---|---|---|---|
+//! | `{p}.B` | I32 | `[K/16, 2N]` | codes in Marlin tiles (`gptq-and-marlin.md` C.3) |
+//! | `{p}.s` | F16 | `[G, N]` | GPTQ scales in the Marlin scale permutation (C.4) |
+//! | `{p}.g_idx_sort_indices` | I32 | `[K]` | only when `desc_act` is true (extension below) |
+//!
+//! Every other tensor is copied unchanged (name, dtype, bytes); `config.json`'s
+//! `quantization_config` and `quantize_config.json` get `checkpoint_format: "marlin"`
+//! (everything else kept, including `desc_act` and `dynamic`); tokenizer, generation and `*.py`
+//! files are copied.
+//!
+//! **Act-order extension (soar-gptq).** The legacy Marlin format has no act-order. For a module
+//! with `desc_act: true` the rows are pre-sorted by the stable argsort of `g_idx`
+//! ([`marlin_sort_indices`]) before tiling, and the permutation is stored as
+//! `{p}.g_idx_sort_indices`: Marlin row `k'` holds original input row `sort[k']` and belongs to
+//! group `k' / g` (act-order GPTQ gives every group exactly g rows, which validation checks). A
+//! consumer multiplies `x[:, sort]` with the tiles, as vLLM's `gptq_marlin` does after its runtime
+//! repack.
+//! Trivial `g_idx` (static or no act-order) needs nothing: the sort is the identity and is not
+//! stored.
+//!
+//! Refused, naming the modules and leaving no output folder: what Marlin cannot hold
+//! ([`check_marlin_shape`]: asymmetric, bits ≠ 4, group size outside {−1, 32, 64, 128},
+//! K % 128, K % g, N % 64), and scales that are not exactly representable in fp16.
+//! Before the output is committed, every written `B`/`s` (and sort indices) is read back from the
+//! files and unpacked; the codes and the scale bits must equal the GPTQ ones exactly, copied
+//! tensors must be byte-identical, and the result must validate as a Marlin checkpoint.
+
+use crate::checkpoint::writer::{
+    copy_if_present, write_file, write_sharded, OutputDir, TensorSpec, DEFAULT_SHARD_BYTES,
+    SIDE_FILES,
+};
+use crate::checkpoint::{Checkpoint, Dtype};
+use crate::format::marlin::{
+    check_marlin_shape, gptq_codes_to_marlin, marlin_sort_indices, marlin_to_gptq_codes,
+    permute_scales, unpermute_scales,
+};
+use crate::format::pack::i32_to_le_bytes;
+use crate::format::quantized::{
+    at, expected_bf16_tensors, read_json, read_quant_info, validate_quantized_modules, QuantFormat,
+    QuantModule, CONFIG_FILE, QUANTIZE_CONFIG_FILE, SORT_INDICES_SUFFIX,
+};
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use half::f16;
+use serde::Serialize;
+use serde_json::Value;
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Instant;
+
+/// What `pack-marlin` did.
+#[derive(Debug, Clone, Serialize)]
+pub struct PackMarlinReport {
+    pub input: String,
+    pub output: String,
+    /// GPTQ `checkpoint_format` of the input (`gptq` or `gptq_v2`).
+    pub input_format: String,
+    pub modules_packed: usize,
+    /// Modules stored with `g_idx_sort_indices` (desc_act true).
+    pub act_order_modules: usize,
+    pub tensors_copied: usize,
+    /// Bytes of the written `B`, `s` and sort-index tensors.
+    pub quantized_bytes: u64,
+    /// Bytes of all tensor data written.
+    pub tensor_bytes: u64,
+    pub shards: Vec<String>,
+    pub side_files: Vec<String>,
+    /// Every module was read back from the files and matched the GPTQ codes and scales bit-exactly.
+    pub verified: bool,
+    pub seconds: f64,
+}
+
+impl PackMarlinReport {
+    pub fn print_text(&self) {
+        println!("input          {} ({})", self.input, self.input_format);
+        println!("output         {} (checkpoint_format marlin)", self.output);
+        println!(
+            "modules        {} packed ({} with act-order sort indices); {} tensors copied",
+            self.modules_packed, self.act_order_modules, self.tensors_copied
+        );
+        println!(
+            "bytes          {:.3} GB of tensors ({:.3} GB Marlin B/s) in {} shard(s)",
+            self.tensor_bytes as f64 / 1e9,
+            self.quantized_bytes as f64 / 1e9,
+            self.shards.len()
+        );
+        if !self.side_files.is_empty() {
+            println!("copied         {}", self.side_files.join(", "));
+        }
+        println!(
+            "verification   every B and s read back from disk unpacks bit-exactly to the GPTQ \
+             codes and scales"
+        );
+        println!("time           {:.1} s", self.seconds);
+    }
+}
+
+/// Where a written tensor's bytes come from.
+enum Source<'a> {
+    Copy,
+    Tiles(&'a QuantModule),
+    SortIndices(&'a QuantModule),
+    Scales(&'a QuantModule),
+}
+
+/// Scales of a GPTQ module as fp16 bit patterns: F16 tensors verbatim, others converted only when
+/// every value is exactly representable.
+fn scales_f16_bits(ck: &Checkpoint, name: &str) -> Result<Vec<u16>> {
+    let e = ck
+        .get(name)
+        .ok_or_else(|| anyhow!("{} is missing", at(ck, name)))?;
+    if e.dtype == Dtype::F16 {
+        return Ok(ck
+            .bytes(name)?
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect());
+    }
+    let values = ck.f32_data(name)?;
+    values
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            let h = f16::from_f32(v);
+            ensure!(
+                h.to_f32() == v || (v.is_nan() && h.is_nan()),
+                "{} is {} and value {i} ({v}) has no exact fp16 representation; Marlin stores \
+                 fp16 scales, so packing would change the weights",
+                at(ck, name),
+                e.dtype.name()
+            );
+            Ok(h.to_bits())
+        })
+        .collect()
+}
+
+fn u16_le_bytes(v: &[u16]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// The quantization settings written to the Marlin checkpoint.
+fn marlin_quant_config(raw: &Value) -> Value {
+    let mut q = raw.clone();
+    if let Some(obj) = q.as_object_mut() {
+        obj.insert("checkpoint_format".into(), Value::from("marlin"));
+        if obj.contains_key("format") {
+            obj.insert("format".into(), Value::from("marlin"));
+        }
+        if !obj.contains_key("quant_method") && !obj.contains_key("method") {
+            obj.insert("quant_method".into(), Value::from("gptq"));
+        }
+    }
+    q
+}
+
+/// Packs the GPTQ checkpoint in `input` into a Marlin checkpoint at `out` (see the module docs).
+pub fn pack_marlin_checkpoint(input: &Path, out: &Path, force: bool) -> Result<PackMarlinReport> {
+    let t0 = Instant::now();
+    let info = read_quant_info(input)?.ok_or_else(|| {
+        anyhow!(
+            "{} has no quantization_config in {CONFIG_FILE} and no {QUANTIZE_CONFIG_FILE}: \
+             pack-marlin needs a GPTQ checkpoint (make one with soar-gptq quantize)",
+            input.display()
+        )
+    })?;
+    ensure!(
+        info.format != QuantFormat::Marlin,
+        "{} is already a Marlin checkpoint (see {}): nothing to pack",
+        input.display(),
+        info.source.display()
+    );
+    if let (Ok(a), Ok(b)) = (input.canonicalize(), out.canonicalize()) {
+        ensure!(
+            a != b,
+            "--out {} is the input folder: choose another --out (inputs are never modified)",
+            out.display()
+        );
+    }
+    let ck = Checkpoint::open(input)?;
+    let expected = expected_bf16_tensors(input).ok();
+    let modules = validate_quantized_modules(&ck, &info, expected.as_deref())
+        .with_context(|| format!("{} is not a valid GPTQ checkpoint", input.display()))?;
+    ensure!(
+        !modules.is_empty(),
+        "{} holds no quantized module (no *.qweight tensors): nothing to pack",
+        input.display()
+    );
+    let refusals: Vec<String> = modules
+        .iter()
+        .filter_map(|m| {
+            check_marlin_shape(m.k, m.n, m.group_size, m.bits, m.sym)
+                .err()
+                .map(|e| {
+                    format!(
+                        "{} (K = {}, N = {}, bits {}, group {}, sym {}): {e}",
+                        m.prefix, m.k, m.n, m.bits, m.group_size, m.sym
+                    )
+                })
+        })
+        .collect();
+    if !refusals.is_empty() {
+        const SHOWN: usize = 8;
+        let more = refusals.len().saturating_sub(SHOWN);
+        bail!(
+            "cannot pack {} to Marlin: {} of {} quantized modules do not fit the Marlin format:\n  \
+             {}{}\nKeep serving the GPTQ checkpoint (SGLang and vLLM repack it at load when they \
+             can), or re-quantize with settings Marlin holds (symmetric, 4 bits, group size -1, \
+             32, 64 or 128, K % 128 == 0, N % 64 == 0)",
+            input.display(),
+            refusals.len(),
+            modules.len(),
+            refusals[..refusals.len().min(SHOWN)].join("\n  "),
+            if more > 0 {
+                format!("\n  ... and {more} more")
+            } else {
+                String::new()
+            }
+        );
+    }
+    // Scales must survive the fp16 Marlin stores; check before anything is written.
+    for m in &modules {
+        scales_f16_bits(&ck, &format!("{}.scales", m.prefix))?;
+    }
+
+    let od = OutputDir::create(out, force)?;
+    let mut owner: HashMap<&str, &QuantModule> = HashMap::new();
+    for m in &modules {
+        for t in &m.tensors {
+            owner.insert(t.as_str(), m);
+        }
+    }
+    let mut specs = Vec::new();
+    let mut sources: HashMap<String, Source> = HashMap::new();
+    let mut copied = Vec::new();
+    for (name, e) in ck.entries() {
+        match owner.get(name.as_str()) {
+            Some(m) if *name == format!("{}.qweight", m.prefix) => {
+                let p = &m.prefix;
+                specs.push(TensorSpec::new(
+                    format!("{p}.B"),
+                    Dtype::I32,
+                    vec![m.k / 16, 2 * m.n],
+                ));
+                sources.insert(format!("{p}.B"), Source::Tiles(m));
+                if m.desc_act {
+                    let si = format!("{p}.{SORT_INDICES_SUFFIX}");
+                    specs.push(TensorSpec::new(si.clone(), Dtype::I32, vec![m.k]));
+                    sources.insert(si, Source::SortIndices(m));
+                }
+                specs.push(TensorSpec::new(
+                    format!("{p}.s"),
+                    Dtype::F16,
+                    vec![m.groups, m.n],
+                ));
+                sources.insert(format!("{p}.s"), Source::Scales(m));
+            }
+            Some(_) => {}
+            None => {
+                specs.push(TensorSpec::new(name.clone(), e.dtype, e.shape.clone()));
+                sources.insert(name.clone(), Source::Copy);
+                copied.push(name.clone());
+            }
+        }
+    }
+    let shards = write_sharded(od.path(), &specs, DEFAULT_SHARD_BYTES, |spec, w| {
+        let bytes = match &sources[&spec.name] {
+            Source::Copy => {
+                w.write_all(ck.bytes(&spec.name)?)?;
+                return Ok(());
+            }
+            Source::Tiles(m) => {
+                let qweight = ck.i32_data(&format!("{}.qweight", m.prefix))?;
+                let g_idx = ck.i32_data(&format!("{}.g_idx", m.prefix))?;
+                let mw = gptq_codes_to_marlin(&qweight, &g_idx, m.k, m.n)
+                    .with_context(|| format!("re-tiling module {}", m.prefix))?;
+                i32_to_le_bytes(&mw.b)
+            }
+            Source::SortIndices(m) => i32_to_le_bytes(&marlin_sort_indices(
+                &ck.i32_data(&format!("{}.g_idx", m.prefix))?,
+            )),
+            Source::Scales(m) => {
+                let bits = scales_f16_bits(&ck, &format!("{}.scales", m.prefix))?;
+                u16_le_bytes(&permute_scales(&bits, m.groups, m.n)?)
+            }
+        };
+        w.write_all(&bytes)?;
+        Ok(())
+    })?;
+
+    let qcfg = marlin_quant_config(&info.raw);
+    let cfg_in = input.join(CONFIG_FILE);
+    if cfg_in.is_file() {
+        let mut cfg = read_json(&cfg_in)?;
+        let obj = cfg
+            .as_object_mut()
+            .ok_or_else(|| anyhow!("{} is not a JSON object", cfg_in.display()))?;
+        obj.insert("quantization_config".into(), qcfg.clone());
+        write_file(
+            &od.path().join(CONFIG_FILE),
+            serde_json::to_string_pretty(&cfg)?.as_bytes(),
+        )?;
+    }
+    write_file(
+        &od.path().join(QUANTIZE_CONFIG_FILE),
+        serde_json::to_string_pretty(&qcfg)?.as_bytes(),
+    )?;
+    let mut side_files = copy_if_present(input, od.path(), SIDE_FILES)?;
+    let mut py: Vec<String> = std::fs::read_dir(input)
+        .with_context(|| format!("cannot list {}", input.display()))?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().is_file())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".py"))
+        .collect();
+    py.sort();
+    let py_refs: Vec<&str> = py.iter().map(String::as_str).collect();
+    side_files.extend(copy_if_present(input, od.path(), &py_refs)?);
+
+    verify_output(&ck, od.path(), &modules, &copied, expected.as_deref())?;
+
+    let quantized_bytes = specs
+        .iter()
+        .filter(|s| !matches!(sources[&s.name], Source::Copy))
+        .map(TensorSpec::nbytes)
+        .sum();
+    let tensor_bytes = specs.iter().map(TensorSpec::nbytes).sum();
+    let output = od.commit()?;
+    Ok(PackMarlinReport {
+        input: input.display().to_string(),
+        output: output.display().to_string(),
+        input_format: info.format.checkpoint_format().to_string(),
+        modules_packed: modules.len(),
+        act_order_modules: modules.iter().filter(|m| m.desc_act).count(),
+        tensors_copied: copied.len(),
+        quantized_bytes,
+        tensor_bytes,
+        shards,
+        side_files,
+        verified: true,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// Reads the written files back: codes, sort indices and scale bits must equal the GPTQ input
+/// exactly, copied tensors must be byte-identical, and the folder must validate as Marlin.
+fn verify_output(
+    ck: &Checkpoint,
+    dir: &Path,
+    modules: &[QuantModule],
+    copied: &[String],
+    expected: Option<&[(String, Vec<usize>)]>,
+) -> Result<()> {
+    let fail = |what: String| {
+        anyhow!(
+            "pack-marlin self-check failed: {what}; nothing was written to the output (this is a \
+             bug in soar-gptq, please report it with the input checkpoint)"
+        )
+    };
+    let outck = Checkpoint::open(dir).context("pack-marlin self-check: re-reading the output")?;
+    for m in modules {
+        let (p, k, n) = (&m.prefix, m.k, m.n);
+        let b_name = format!("{p}.B");
+        let si_name = format!("{p}.{SORT_INDICES_SUFFIX}");
+        let b = outck.i32_data(&b_name)?;
+        let sort: Vec<i32> = if outck.contains(&si_name) {
+            outck.i32_data(&si_name)?
+        } else {
+            (0..k as i32).collect()
+        };
+        let g_idx = ck.i32_data(&format!("{p}.g_idx"))?;
+        let g = m.group_len();
+        if let Some(kp) = (0..k).find(|&kp| g_idx[sort[kp] as usize] as usize != kp / g) {
+            return Err(fail(format!(
+                "Marlin row {kp} of module {p} holds input row {} of group {}, but row {kp} is \
+                 read with the scales of group {}",
+                sort[kp],
+                g_idx[sort[kp] as usize],
+                kp / g
+            )));
+        }
+        let back = marlin_to_gptq_codes(&b, &sort, k, n)
+            .with_context(|| format!("unpacking {}", at(&outck, &b_name)))?;
+        let qweight = ck.i32_data(&format!("{p}.qweight"))?;
+        if let Some(i) = (0..qweight.len()).find(|&i| back[i] != qweight[i]) {
+            return Err(fail(format!(
+                "{} does not unpack to the codes of {} (qweight word {i}: 0x{:08x} instead of \
+                 0x{:08x})",
+                at(&outck, &b_name),
+                at(ck, &format!("{p}.qweight")),
+                back[i] as u32,
+                qweight[i] as u32
+            )));
+        }
+        let s_name = format!("{p}.s");
+        let s_bits: Vec<u16> = outck
+            .bytes(&s_name)?
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect();
+        let scales = unpermute_scales(&s_bits, m.groups, n)?;
+        let want = scales_f16_bits(ck, &format!("{p}.scales"))?;
+        if let Some(i) = (0..want.len()).find(|&i| scales[i] != want[i]) {
+            return Err(fail(format!(
+                "{} does not un-permute to {} (value {i}: fp16 bits 0x{:04x} instead of 0x{:04x})",
+                at(&outck, &s_name),
+                at(ck, &format!("{p}.scales")),
+                scales[i],
+                want[i]
+            )));
+        }
+    }
+    for name in copied {
+        let (a, b) = (ck.get(name), outck.get(name));
+        let same = match (a, b) {
+            (Some(a), Some(b)) => {
+                a.dtype == b.dtype && a.shape == b.shape && ck.bytes(name)? == outck.bytes(name)?
+            }
+            _ => false,
+        };
+        if !same {
+            return Err(fail(format!(
+                "{} is not a byte-identical copy of {}",
+                at(&outck, name),
+                at(ck, name)
+            )));
+        }
+    }
+    let out_info = read_quant_info(dir)?
+        .ok_or_else(|| fail("the output has no quantization settings".into()))?;
+    if out_info.format != QuantFormat::Marlin {
+        return Err(fail(format!(
+            "{} does not say checkpoint_format marlin",
+            out_info.source.display()
+        )));
+    }
+    let out_modules = validate_quantized_modules(&outck, &out_info, expected)
+        .map_err(|e| fail(format!("the output does not validate as Marlin: {e:#}")))?;
+    if out_modules.len() != modules.len() {
+        return Err(fail(format!(
+            "the output holds {} Marlin modules, the input {} GPTQ modules",
+            out_modules.len(),
+            modules.len()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn marlin_config_keeps_everything_but_the_format() {
+        let raw = json!({"quant_method": "gptq", "bits": 4, "group_size": 128, "format": "gptq",
+                         "checkpoint_format": "gptq", "dynamic": {"-:x": {}}});
+        let q = marlin_quant_config(&raw);
+        assert_eq!(q["checkpoint_format"], "marlin");
+        assert_eq!(q["format"], "marlin");
+        assert_eq!(q["dynamic"], raw["dynamic"]);
+        let q = marlin_quant_config(&json!({"bits": 4, "group_size": 128}));
+        assert_eq!(q["quant_method"], "gptq");
+        assert!(q.get("format").is_none());
+    }
+}

@@ -1,0 +1,20 @@
+//! The GPTQ solver: turns a Linear's weights `W [N, K]` and the Hessian of its inputs into 2–8-bit
+//! codes, per-group scales/zeros and `g_idx`, following the reference tools exactly (see
+//! `docs/gptq-and-marlin.md` part A).
+//!
+//! * [`HessianAccumulator`] sums `XᵀX` of a Linear's inputs in f32 on any candle device, merges
+//!   partial sums and saves/loads them.
+//! * [`QuantParams`] is the min/max (optionally MSE) quantizer of one group.
+//! * [`gptq_quantize`] runs damping, the inverse Cholesky factor (f64) and the blocked column loop with
+//!   lazy updates (f32) in static, dynamic or no act-order; [`rtn_quantize`] is the no-feedback
+//!   baseline with the same quantizer.
+
+mod hessian;
+mod quantizer;
+mod solver;
+
+pub use hessian::HessianAccumulator;
+pub use quantizer::{dequantize_code, quantize_code, QuantParams};
+pub use solver::{
+    gptq_quantize, rtn_quantize, ActOrder, QuantizedLinear, SolveOptions, SolveTimings,
+};

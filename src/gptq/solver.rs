@@ -1,0 +1,996 @@
+//! The GPTQ solver (spec A.3, A.5, A.6) and its round-to-nearest baseline.
+//!
+//! Names follow IST-DASLab's `gptq.py`: `H` the Hessian, `U` the upper Cholesky factor of `H⁻¹`
+//! (`Hinv` there), `W` the weights being updated, `Q` their quantized values, `Err1` the scaled
+//! errors of one block, `blocksize` columns per block. Tensors come from any candle device; the
+//! solve runs on the CPU: the factorization in f64 with faer, the column loop in f32 with rayon
+//! (rows are independent inside a block) and faer's GEMM for the lazy updates.
+
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Result};
+use candle_core::{DType, Device, Tensor};
+use faer::dyn_stack::{MemBuffer, MemStack};
+use faer::linalg::cholesky::llt::factor::{cholesky_in_place, cholesky_in_place_scratch};
+use faer::linalg::triangular_inverse::invert_upper_triangular;
+use faer::prelude::{Reborrow, ReborrowMut};
+use faer::{MatMut, Par};
+use rayon::prelude::*;
+
+use super::quantizer::{dequantize_code, quantize_code, QuantParams};
+
+/// Column order of the solve (design decision 2).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ActOrder {
+    /// Descending diag(H) order, group parameters fixed per original group before the loop
+    /// (`desc_act` + `static_groups`): `g_idx[k] = k / g`, nothing extra on disk.
+    #[default]
+    Static,
+    /// Classic `desc_act`: descending diag(H) order, parameters found when a group of processing
+    /// positions starts: `g_idx[j] = invperm[j] / g`.
+    Dynamic,
+    /// Natural column order.
+    Off,
+}
+
+#[derive(Clone, Debug)]
+pub struct SolveOptions {
+    pub quant: QuantParams,
+    pub act_order: ActOrder,
+    /// Initial damping λ, as a fraction of mean(diag H); doubled on a failed factorization up to 1.
+    pub damp: f64,
+    /// Columns per block of the lazy-update loop (`blocksize`, 128 in every reference tool).
+    pub block_size: usize,
+    /// The module's name, for error messages.
+    pub module: String,
+}
+
+impl Default for SolveOptions {
+    fn default() -> Self {
+        Self {
+            quant: QuantParams::default(),
+            act_order: ActOrder::Static,
+            damp: 0.01,
+            block_size: 128,
+            module: String::new(),
+        }
+    }
+}
+
+impl SolveOptions {
+    fn validate(&self) -> Result<()> {
+        self.quant.validate()?;
+        ensure!(self.block_size > 0, "block size must be positive");
+        ensure!(
+            self.damp > 0.0 && self.damp <= 1.0,
+            "damp must be in (0, 1], got {}",
+            self.damp
+        );
+        Ok(())
+    }
+}
+
+/// Wall-clock seconds of the two expensive phases of a solve.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SolveTimings {
+    /// Permuting and damping H, Cholesky and triangular inverse (all retries included).
+    pub factor_s: f64,
+    /// The blocked column loop with its lazy updates.
+    pub loop_s: f64,
+}
+
+/// A quantized Linear `[N, K]` in GPTQ's terms, columns in the original order.
+#[derive(Clone, Debug)]
+pub struct QuantizedLinear {
+    pub n: usize,
+    pub k: usize,
+    /// `[N, K]` row-major; the code of `W[n][k]`.
+    pub codes: Vec<u8>,
+    /// `[n_groups, N]`, group-major as GPTQ stores them (f32; the packer rounds to fp16).
+    pub scales: Vec<f32>,
+    /// `[n_groups, N]`, the integer zero point (8 for symmetric 4-bit; GPTQ v1 stores zero − 1).
+    pub zeros: Vec<u8>,
+    /// `[K]`: the scale/zero row of each input column.
+    pub g_idx: Vec<i32>,
+    /// Σ (w − q)² / d² / 2 over all weights (A.5; GPTQModel reports this divided by the sample count).
+    /// For RTN, d = 1.
+    pub loss: f64,
+    /// The damping fraction that made H factorizable (0 for RTN).
+    pub damp_used: f64,
+    /// Input columns whose diag(H) was 0; their weights were quantized as 0.
+    pub dead_columns: usize,
+    pub timings: SolveTimings,
+}
+
+impl QuantizedLinear {
+    pub fn n_groups(&self) -> usize {
+        self.scales.len() / self.n
+    }
+
+    /// The fake-quantized weights `[N, K]`: `scale[g_idx[k]][n] · (code − zero)`, bit-identical to the
+    /// values the solver used for its error feedback.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let (n, k) = (self.n, self.k);
+        let mut out = vec![0.0f32; n * k];
+        out.par_chunks_mut(k)
+            .zip(self.codes.par_chunks(k))
+            .enumerate()
+            .for_each(|(row, (out, codes))| {
+                for ((o, &c), &g) in out.iter_mut().zip(codes).zip(&self.g_idx) {
+                    let p = g as usize * n + row;
+                    *o = dequantize_code(c as f32, self.scales[p], self.zeros[p] as f32);
+                }
+            });
+        out
+    }
+
+    /// [`dequantize`](Self::dequantize) as a `[N, K]` tensor, e.g. to put Q back into the model.
+    pub fn dequantize_tensor(&self, device: &Device, dtype: DType) -> Result<Tensor> {
+        Ok(Tensor::from_vec(self.dequantize(), (self.n, self.k), device)?.to_dtype(dtype)?)
+    }
+}
+
+/// GPTQ-quantizes `w` (`[N, K]`, any float dtype) with the Hessian `h` (`[K, K]`) of its inputs.
+pub fn gptq_quantize(w: &Tensor, h: &Tensor, opts: &SolveOptions) -> Result<QuantizedLinear> {
+    Ok(solve(w, h, opts)?.0)
+}
+
+/// Round-to-nearest with the same quantizer and groups in natural order, no error feedback.
+pub fn rtn_quantize(w: &Tensor, opts: &SolveOptions) -> Result<QuantizedLinear> {
+    opts.validate()?;
+    let (n, k) = matrix_dims(w, "weight", &opts.module)?;
+    let w = finite_f32(w, "weight", &opts.module)?;
+    let quant = &opts.quant;
+    let g = quant.group_len(k);
+    let (scales, zeros) = natural_group_params(quant, &w, k);
+    let maxq = quant.maxq();
+    let mut codes = vec![0u8; n * k];
+    let loss: f64 = codes
+        .par_chunks_mut(k)
+        .zip(w.par_chunks(k))
+        .enumerate()
+        .map(|(row, (codes, w))| {
+            let mut loss = 0.0f64;
+            for (j, (c, &x)) in codes.iter_mut().zip(w).enumerate() {
+                let p = j / g * n + row;
+                let code = quantize_code(x, scales[p], zeros[p], maxq);
+                let q = dequantize_code(code, scales[p], zeros[p]);
+                *c = code as u8;
+                loss += ((x - q) * (x - q) / 2.0) as f64;
+            }
+            loss
+        })
+        .sum();
+    Ok(QuantizedLinear {
+        n,
+        k,
+        codes,
+        scales,
+        zeros: zeros.iter().map(|&z| z as u8).collect(),
+        g_idx: (0..k).map(|j| (j / g) as i32).collect(),
+        loss,
+        damp_used: 0.0,
+        dead_columns: 0,
+        timings: SolveTimings::default(),
+    })
+}
+
+/// The solve behind [`gptq_quantize`]. Besides the result it hands back the buffer W, which the loop
+/// turned into Q (`[N, K]` in processing order), and `perm` (processing position → original column),
+/// so tests can check Q against [`QuantizedLinear::dequantize`].
+fn solve(
+    w: &Tensor,
+    h: &Tensor,
+    opts: &SolveOptions,
+) -> Result<(QuantizedLinear, Vec<f32>, Vec<usize>)> {
+    opts.validate()?;
+    let module = &opts.module;
+    let quant = &opts.quant;
+    let (n, k) = matrix_dims(w, "weight", module)?;
+    let (hk, hk2) = matrix_dims(h, "Hessian", module)?;
+    ensure!(
+        hk == k && hk2 == k,
+        "module {module}: Hessian is [{hk}, {hk2}] but the weight has K = {k} input columns"
+    );
+    let t_factor = Instant::now();
+    let mut w = finite_f32(w, "weight", module)?;
+    let mut h = finite_f32(h, "Hessian", module)?;
+    let g = quant.group_len(k);
+    let n_groups = quant.n_groups(k);
+
+    // A.3.2: with one group the parameters come from the whole matrix, before dead columns are zeroed.
+    let whole = (quant.group_size < 0).then(|| quant.find_params(&w, k, 0..k));
+
+    // A.3.3: an input that was always zero has no curvature; its weights cannot matter, drop them.
+    let dead: Vec<usize> = (0..k).filter(|&i| h[i * k + i] == 0.0).collect();
+    for &i in &dead {
+        h[i * k + i] = 1.0;
+        for row in w.chunks_mut(k) {
+            row[i] = 0.0;
+        }
+    }
+
+    // Group parameters, [n_groups, N]. Fixed before the loop for one group or static groups
+    // (A.3.4, from the dead-zeroed weights in original order); otherwise found inside the loop.
+    let find_in_loop = whole.is_none() && opts.act_order != ActOrder::Static;
+    let (mut scales, mut zeros) = match whole {
+        Some(params) => params,
+        None if find_in_loop => (vec![0.0; n_groups * n], vec![0.0; n_groups * n]),
+        None => natural_group_params(quant, &w, k),
+    };
+
+    // A.3.5: processing order. The sort is stable so equal diagonals keep their index order.
+    let mut perm: Vec<usize> = (0..k).collect();
+    if opts.act_order != ActOrder::Off {
+        perm.sort_by(|&a, &b| h[b * k + b].total_cmp(&h[a * k + a]));
+    }
+    let mut invperm = vec![0usize; k];
+    for (c, &j) in perm.iter().enumerate() {
+        invperm[j] = c;
+    }
+    // Scale/zero row used at each processing position: static rows are original groups.
+    let param_row: Vec<usize> = match opts.act_order {
+        ActOrder::Static => perm.iter().map(|&j| j / g).collect(),
+        ActOrder::Dynamic | ActOrder::Off => (0..k).map(|c| c / g).collect(),
+    };
+    let mut w_perm = vec![0.0f32; n * k];
+    w_perm
+        .par_chunks_mut(k)
+        .zip(w.par_chunks(k))
+        .for_each(|(dst, src)| {
+            for (d, &j) in dst.iter_mut().zip(&perm) {
+                *d = src[j];
+            }
+        });
+    drop(w);
+    let mut w = w_perm;
+
+    // A.3.6–7: damping and the upper Cholesky factor U of H⁻¹ (H⁻¹ = UᵀU), in processing order.
+    let (u, damp_used) = inverse_cholesky_upper(&h, k, &perm, opts.damp, module)?;
+    drop(h);
+    let factor_s = t_factor.elapsed().as_secs_f64();
+
+    // A.5: the blocked column loop. W becomes Q column by column.
+    let t_loop = Instant::now();
+    let maxq = quant.maxq();
+    let blocksize = opts.block_size;
+    let mut codes = vec![0u8; n * k];
+    let mut loss = 0.0f64;
+    let mut err1_buf = vec![0.0f32; n * blocksize];
+    for i1 in (0..k).step_by(blocksize) {
+        let i2 = (i1 + blocksize).min(k);
+        let width = i2 - i1;
+        if find_in_loop {
+            // Parameters of a group starting in this block come from W as it stands now: with the
+            // lazy updates of earlier blocks, without this block's in-block updates (A.7, as in
+            // every reference tool: exact when g is a multiple of blocksize).
+            for c in (i1..i2).filter(|c| c % g == 0) {
+                let (s, z) = quant.find_params(&w, k, c..(c + g).min(k));
+                let t = c / g;
+                scales[t * n..(t + 1) * n].copy_from_slice(&s);
+                zeros[t * n..(t + 1) * n].copy_from_slice(&z);
+            }
+        }
+        let err1 = &mut err1_buf[..n * width];
+        let (scales, zeros) = (&scales, &zeros);
+        loss += w
+            .par_chunks_mut(k)
+            .zip(err1.par_chunks_mut(width))
+            .zip(codes.par_chunks_mut(k))
+            .enumerate()
+            .map(|(row, ((w, err_row), codes))| {
+                let mut loss = 0.0f64;
+                for i in 0..width {
+                    let c = i1 + i;
+                    let p = param_row[c] * n + row;
+                    let u_row = &u[c * k..c * k + i2];
+                    let d = u_row[c];
+                    let x = w[c];
+                    let code = quantize_code(x, scales[p], zeros[p], maxq);
+                    let q = dequantize_code(code, scales[p], zeros[p]);
+                    codes[perm[c]] = code as u8;
+                    w[c] = q;
+                    loss += ((x - q) * (x - q) / (d * d) / 2.0) as f64;
+                    let e = (x - q) / d;
+                    // W1[:, i:] -= outer(e, U1[i, i:]) for this row.
+                    for (wj, &uj) in w[c + 1..i2].iter_mut().zip(&u_row[c + 1..]) {
+                        *wj -= e * uj;
+                    }
+                    err_row[i] = e;
+                }
+                loss
+            })
+            .sum::<f64>();
+        if i2 < k {
+            // W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+            // Through candle's GEMM: faer 0.24's x86 kernel reads and writes out of bounds on this
+            // strided row-major update (seen under valgrind), so it is not used here.
+            let rest = k - i2;
+            let u12: Vec<f32> = (i1..i2)
+                .flat_map(|r| u[r * k + i2..(r + 1) * k].iter().copied())
+                .collect();
+            let e = Tensor::from_slice(&err1[..], (n, width), &Device::Cpu)?;
+            let u12 = Tensor::from_vec(u12, (width, rest), &Device::Cpu)?;
+            let upd: Vec<f32> = e.matmul(&u12)?.flatten_all()?.to_vec1()?;
+            w.par_chunks_mut(k)
+                .zip(upd.par_chunks(rest))
+                .for_each(|(row, d)| {
+                    for (x, y) in row[i2..].iter_mut().zip(d) {
+                        *x -= y;
+                    }
+                });
+        }
+    }
+    let loop_s = t_loop.elapsed().as_secs_f64();
+
+    // A.6: g_idx per original column; scale rows are already in the order g_idx refers to.
+    let g_idx = match opts.act_order {
+        ActOrder::Dynamic => invperm.iter().map(|&c| (c / g) as i32).collect(),
+        ActOrder::Static | ActOrder::Off => (0..k).map(|j| (j / g) as i32).collect(),
+    };
+    let linear = QuantizedLinear {
+        n,
+        k,
+        codes,
+        scales,
+        zeros: zeros.iter().map(|&z| z as u8).collect(),
+        g_idx,
+        loss,
+        damp_used,
+        dead_columns: dead.len(),
+        timings: SolveTimings { factor_s, loop_s },
+    };
+    Ok((linear, w, perm))
+}
+
+/// Scale/zero of each natural group `[t·g, (t+1)·g)`, `[n_groups, N]`.
+fn natural_group_params(quant: &QuantParams, w: &[f32], k: usize) -> (Vec<f32>, Vec<f32>) {
+    let g = quant.group_len(k);
+    let (mut scales, mut zeros) = (Vec::new(), Vec::new());
+    for start in (0..k).step_by(g) {
+        let (s, z) = quant.find_params(w, k, start..(start + g).min(k));
+        scales.extend(s);
+        zeros.extend(z);
+    }
+    (scales, zeros)
+}
+
+/// U with `H⁻¹ = UᵀU` (upper triangular, row-major f32 `[K, K]`) of `H` permuted by `perm` and damped.
+///
+/// Uses the identity of A.3.7 instead of chol → inverse → chol: with J the exchange matrix,
+/// `J·H·J = L·Lᵀ` gives `H = R·Rᵀ` with `R = J·L·J` upper triangular, hence `H⁻¹ = R⁻ᵀ·R⁻¹` and
+/// `U = R⁻¹`: one Cholesky and one triangular inverse (2/3 K³ flops instead of ~2 K³), in f64.
+/// A failed factorization doubles the damping (up to 1.0) and retries from the undamped H.
+fn inverse_cholesky_upper(
+    h: &[f32],
+    k: usize,
+    perm: &[usize],
+    damp: f64,
+    module: &str,
+) -> Result<(Vec<f32>, f64)> {
+    let mean_diag = (0..k).map(|i| h[i * k + i] as f64).sum::<f64>() / k as f64;
+    let mut damp = damp;
+    loop {
+        // Column-major f64 copy of H[perm][:, perm]; reading row perm[j] of the symmetric H for
+        // column j keeps the gather cache-friendly.
+        let mut a = vec![0.0f64; k * k];
+        a.par_chunks_mut(k).enumerate().for_each(|(j, col)| {
+            let h_row = &h[perm[j] * k..(perm[j] + 1) * k];
+            for (v, &pi) in col.iter_mut().zip(perm) {
+                *v = h_row[pi] as f64;
+            }
+            col[j] += damp * mean_diag;
+        });
+        if let Some(u) = upper_inverse_factor(&mut a, k) {
+            return Ok((u, damp));
+        }
+        if damp >= 1.0 {
+            bail!(
+                "module {module}: the Hessian is not positive definite even with damp 1.0 \
+                 (mean diag {mean_diag:e}); the calibration inputs of this module are degenerate: \
+                 use more calibration samples or skip the module"
+            );
+        }
+        damp = (damp * 2.0).min(1.0);
+    }
+}
+
+/// Factorizes the damped, permuted H (column-major in `a`, destroyed) and returns U row-major f32,
+/// or None when H is not numerically positive definite.
+fn upper_inverse_factor(a: &mut [f64], k: usize) -> Option<Vec<f32>> {
+    let par = Par::rayon(0);
+    let mut a = MatMut::from_column_major_slice_mut(a, k, k);
+    let mut mem = MemBuffer::new(cholesky_in_place_scratch::<f64>(k, par, Default::default()));
+    // Cholesky of J·H·J: its lower factor L lands, seen through the reversed view, in the upper
+    // triangle of `a` as R = J·L·J.
+    cholesky_in_place(
+        a.rb_mut().reverse_rows_and_cols_mut(),
+        Default::default(),
+        par,
+        MemStack::new(&mut mem),
+        Default::default(),
+    )
+    .ok()?;
+    if (0..k).any(|i| !(a[(i, i)].is_finite() && a[(i, i)] > 0.0)) {
+        return None;
+    }
+    // Writing the inverse through a row-major view leaves U row-major, as the column loop reads it;
+    // the strictly lower triangle stays 0.
+    let mut u = vec![0.0f64; k * k];
+    invert_upper_triangular(MatMut::from_row_major_slice_mut(&mut u, k, k), a.rb(), par);
+    let u: Vec<f32> = u.par_iter().map(|&v| v as f32).collect();
+    u.par_iter().all(|v| v.is_finite()).then_some(u)
+}
+
+fn matrix_dims(t: &Tensor, what: &str, module: &str) -> Result<(usize, usize)> {
+    match t.dims() {
+        &[r, c] if r > 0 && c > 0 => Ok((r, c)),
+        dims => bail!("module {module}: {what} must be a non-empty 2-D matrix, got shape {dims:?}"),
+    }
+}
+
+/// The tensor as row-major f32 on the CPU, refusing NaN/Inf.
+fn finite_f32(t: &Tensor, what: &str, module: &str) -> Result<Vec<f32>> {
+    let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    if let Some(i) = v.par_iter().position_any(|x| !x.is_finite()) {
+        let cols = t.dim(1)?;
+        bail!(
+            "module {module}: {what} contains NaN or Inf (first found at [{}, {}])",
+            i / cols,
+            i % cols
+        );
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gptq::HessianAccumulator;
+
+    /// splitmix64 with Box–Muller normals: deterministic test data without the rand crate.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next_u64(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        }
+
+        /// Uniform in (0, 1].
+        fn uniform(&mut self) -> f64 {
+            ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
+        }
+
+        fn gaussian(&mut self) -> f64 {
+            let (u1, u2) = (self.uniform(), self.uniform());
+            (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+        }
+
+        fn gaussians(&mut self, n: usize) -> Vec<f32> {
+            (0..n).map(|_| self.gaussian() as f32).collect()
+        }
+    }
+
+    const CPU: Device = Device::Cpu;
+
+    fn tensor(v: Vec<f32>, rows: usize, cols: usize) -> Tensor {
+        Tensor::from_vec(v, (rows, cols), &CPU).unwrap()
+    }
+
+    /// Correlated inputs `X = Z·A` (`[tokens, K]`): Z gaussian, A a random mixing matrix with
+    /// column scales spread over ~e^±1, so features are correlated and their energies differ (which
+    /// makes act-order matter).
+    fn correlated_inputs(tokens: usize, k: usize, seed: u64) -> Tensor {
+        let mut rng = Rng(seed);
+        let z = tensor(rng.gaussians(tokens * k), tokens, k);
+        let col_scale: Vec<f32> = (0..k)
+            .map(|_| (0.5 * rng.gaussian()).exp() as f32)
+            .collect();
+        let a: Vec<f32> = (0..k * k)
+            .map(|i| rng.gaussian() as f32 * col_scale[i % k] / (k as f32).sqrt())
+            .collect();
+        z.matmul(&tensor(a, k, k)).unwrap()
+    }
+
+    fn hessian_of(x: &Tensor) -> Tensor {
+        let mut acc = HessianAccumulator::new(x.dim(1).unwrap(), &CPU).unwrap();
+        acc.add_batch(x, None).unwrap();
+        acc.hessian().unwrap()
+    }
+
+    fn opts(act_order: ActOrder, group_size: i64) -> SolveOptions {
+        SolveOptions {
+            quant: QuantParams {
+                group_size,
+                ..QuantParams::default()
+            },
+            act_order,
+            module: "model.layers.0.mlp.down_proj".into(),
+            ..SolveOptions::default()
+        }
+    }
+
+    const MODES: [ActOrder; 3] = [ActOrder::Static, ActOrder::Dynamic, ActOrder::Off];
+
+    /// Q as the solver used it, in original column order.
+    fn solver_q(q: &[f32], perm: &[usize], n: usize, k: usize) -> Vec<f32> {
+        let mut out = vec![0.0; n * k];
+        for r in 0..n {
+            for (c, &j) in perm.iter().enumerate() {
+                out[r * k + j] = q[r * k + c];
+            }
+        }
+        out
+    }
+
+    /// ‖X·Wᵀ − X·Qᵀ‖_F.
+    fn output_error(x: &Tensor, w: &Tensor, ql: &QuantizedLinear) -> f64 {
+        let q = ql.dequantize_tensor(&CPU, DType::F32).unwrap();
+        let diff = x.matmul(&(w - q).unwrap().t().unwrap()).unwrap();
+        diff.sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            .sqrt() as f64
+    }
+
+    #[test]
+    fn upper_factor_inverts_the_damped_permuted_hessian() {
+        let k = 40;
+        let h = hessian_of(&correlated_inputs(256, k, 91));
+        let hv = h.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let perm: Vec<usize> = (0..k).rev().step_by(2).chain((0..k).step_by(2)).collect();
+        let (u, damp) = inverse_cholesky_upper(&hv, k, &perm, 0.01, "m").unwrap();
+        assert_eq!(damp, 0.01);
+        let mean = (0..k).map(|i| hv[i * k + i] as f64).sum::<f64>() / k as f64;
+        // (UᵀU)·H_damped = I, H_damped = H[perm][:, perm] + 0.01·mean·I; U upper triangular.
+        for i in 0..k {
+            for j in 0..i {
+                assert_eq!(u[i * k + j], 0.0);
+            }
+        }
+        for i in 0..k {
+            for j in 0..k {
+                let mut s = 0.0f64;
+                for m in 0..k {
+                    let uu: f64 = (0..k)
+                        .map(|r| u[r * k + i] as f64 * u[r * k + m] as f64)
+                        .sum();
+                    let hd =
+                        hv[perm[m] * k + perm[j]] as f64 + if m == j { 0.01 * mean } else { 0.0 };
+                    s += uu * hd;
+                }
+                let want = if i == j { 1.0 } else { 0.0 };
+                assert!((s - want).abs() < 1e-3, "[{i},{j}] = {s}");
+            }
+        }
+    }
+
+    #[test]
+    fn identity_hessian_makes_gptq_equal_rtn() {
+        let (n, k) = (16, 64);
+        let w = tensor(Rng(1).gaussians(n * k), n, k);
+        let mut eye = vec![0.0f32; k * k];
+        for i in 0..k {
+            eye[i * k + i] = 1.0;
+        }
+        let h = tensor(eye, k, k);
+        for group in [16, 32, -1] {
+            for mode in MODES {
+                let o = opts(mode, group);
+                let gptq = gptq_quantize(&w, &h, &o).unwrap();
+                let rtn = rtn_quantize(&w, &o).unwrap();
+                assert_eq!(gptq.codes, rtn.codes, "{mode:?} g{group}");
+                assert_eq!(gptq.scales, rtn.scales, "{mode:?} g{group}");
+                assert_eq!(gptq.zeros, rtn.zeros, "{mode:?} g{group}");
+                assert_eq!(gptq.g_idx, rtn.g_idx, "{mode:?} g{group}");
+                assert_eq!(gptq.damp_used, 0.01);
+            }
+        }
+    }
+
+    #[test]
+    fn gptq_beats_rtn_on_correlated_inputs() {
+        let (tokens, n, k) = (2048, 128, 256);
+        let x = correlated_inputs(tokens, k, 7);
+        let h = hessian_of(&x);
+        let w = tensor(Rng(8).gaussians(n * k), n, k);
+        let rtn = output_error(
+            &x,
+            &w,
+            &rtn_quantize(&w, &opts(ActOrder::Off, 128)).unwrap(),
+        );
+        for mode in MODES {
+            let gptq = output_error(&x, &w, &gptq_quantize(&w, &h, &opts(mode, 128)).unwrap());
+            eprintln!(
+                "{mode:?}: GPTQ {gptq:.3} RTN {rtn:.3} ratio {:.3}",
+                gptq / rtn
+            );
+            assert!(gptq < 0.8 * rtn, "{mode:?}: GPTQ {gptq} vs RTN {rtn}");
+        }
+    }
+
+    #[test]
+    fn g_idx_follows_the_act_order_mode() {
+        let (tokens, n, k, g) = (512, 8, 128, 32);
+        let x = correlated_inputs(tokens, k, 3);
+        let h = hessian_of(&x);
+        let w = tensor(Rng(4).gaussians(n * k), n, k);
+
+        let stat = gptq_quantize(&w, &h, &opts(ActOrder::Static, g as i64)).unwrap();
+        assert_eq!(
+            stat.g_idx,
+            (0..k).map(|j| (j / g) as i32).collect::<Vec<_>>()
+        );
+        assert_eq!(stat.n_groups(), k / g);
+
+        let (dynamic, _, perm) = solve(&w, &h, &opts(ActOrder::Dynamic, g as i64)).unwrap();
+        let diag: Vec<f32> = h
+            .to_vec2::<f32>()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .map(|(i, r)| r[i])
+            .collect();
+        assert!(
+            perm.windows(2).all(|p| diag[p[0]] >= diag[p[1]]),
+            "descending diag(H)"
+        );
+        assert_ne!(
+            perm,
+            (0..k).collect::<Vec<_>>(),
+            "the test needs a real permutation"
+        );
+        let mut invperm = vec![0; k];
+        for (c, &j) in perm.iter().enumerate() {
+            invperm[j] = c;
+        }
+        for j in 0..k {
+            assert_eq!(dynamic.g_idx[j], (invperm[j] / g) as i32);
+        }
+        for t in 0..(k / g) as i32 {
+            assert_eq!(dynamic.g_idx.iter().filter(|&&x| x == t).count(), g);
+        }
+        assert!(
+            dynamic.g_idx.windows(2).any(|p| p[0] > p[1]),
+            "non-monotonic"
+        );
+    }
+
+    #[test]
+    fn act_order_sort_is_stable_on_ties() {
+        // Diagonal H with ties: 2,1,2,1,... → processing order 0,2,4,...,1,3,5,...
+        let (n, k) = (4, 16);
+        let mut hv = vec![0.0f32; k * k];
+        for i in 0..k {
+            hv[i * k + i] = if i % 2 == 0 { 2.0 } else { 1.0 };
+        }
+        let w = tensor(Rng(5).gaussians(n * k), n, k);
+        let (_, _, perm) = solve(&w, &tensor(hv, k, k), &opts(ActOrder::Dynamic, 8)).unwrap();
+        let want: Vec<usize> = (0..k).step_by(2).chain((1..k).step_by(2)).collect();
+        assert_eq!(perm, want);
+    }
+
+    /// GPTQ straight from the spec: no blocks, no lazy updates, f64 throughout, H⁻¹ by Gauss–Jordan
+    /// and U by a hand-written Cholesky. `block` only decides when group parameters are read
+    /// (from W as of the start of the block, the staleness all reference tools share, A.7).
+    fn reference_gptq(
+        w: &[f32],
+        h: &[f32],
+        n: usize,
+        k: usize,
+        o: &SolveOptions,
+    ) -> (Vec<u8>, f64) {
+        let q = o.quant;
+        let maxq = ((1u32 << q.bits) - 1) as f64;
+        let params = |x: &[f64]| -> (f64, f64) {
+            let mut xmin = x.iter().copied().fold(0.0, f64::min);
+            let mut xmax = x.iter().copied().fold(0.0, f64::max);
+            if q.sym {
+                xmax = xmax.max(-xmin);
+                if xmin < 0.0 {
+                    xmin = -xmax;
+                }
+            }
+            if xmin == 0.0 && xmax == 0.0 {
+                (xmin, xmax) = (-1.0, 1.0);
+            }
+            let scale = (xmax - xmin) / maxq;
+            let zero = if q.sym {
+                (maxq + 1.0) / 2.0
+            } else {
+                (-xmin / scale).round_ties_even()
+            };
+            (scale, zero)
+        };
+        let g = if q.group_size < 0 {
+            k
+        } else {
+            q.group_size as usize
+        };
+        let mut wm: Vec<Vec<f64>> = w
+            .chunks(k)
+            .map(|r| r.iter().map(|&v| v as f64).collect())
+            .collect();
+        let mut hm: Vec<Vec<f64>> = h
+            .chunks(k)
+            .map(|r| r.iter().map(|&v| v as f64).collect())
+            .collect();
+        let whole: Vec<(f64, f64)> = wm.iter().map(|r| params(r)).collect();
+        for i in 0..k {
+            if hm[i][i] == 0.0 {
+                hm[i][i] = 1.0;
+                wm.iter_mut().for_each(|r| r[i] = 0.0);
+            }
+        }
+        let groups: Vec<Vec<(f64, f64)>> = (0..k)
+            .step_by(g)
+            .map(|s| wm.iter().map(|r| params(&r[s..(s + g).min(k)])).collect())
+            .collect();
+        let mut perm: Vec<usize> = (0..k).collect();
+        if o.act_order != ActOrder::Off {
+            perm.sort_by(|&a, &b| hm[b][b].partial_cmp(&hm[a][a]).unwrap());
+        }
+        let mut w: Vec<Vec<f64>> = wm
+            .iter()
+            .map(|r| perm.iter().map(|&j| r[j]).collect())
+            .collect();
+        let mut hp: Vec<Vec<f64>> = perm
+            .iter()
+            .map(|&a| perm.iter().map(|&b| hm[a][b]).collect())
+            .collect();
+        let mean = (0..k).map(|i| hp[i][i]).sum::<f64>() / k as f64;
+        for (i, row) in hp.iter_mut().enumerate() {
+            row[i] += o.damp * mean;
+        }
+        // Gauss–Jordan inverse (H is SPD, no pivoting needed).
+        let mut inv: Vec<Vec<f64>> = (0..k)
+            .map(|i| (0..k).map(|j| (i == j) as u8 as f64).collect())
+            .collect();
+        for p in 0..k {
+            let d = hp[p][p];
+            for j in 0..k {
+                hp[p][j] /= d;
+                inv[p][j] /= d;
+            }
+            for r in 0..k {
+                if r != p {
+                    let f = hp[r][p];
+                    for j in 0..k {
+                        hp[r][j] -= f * hp[p][j];
+                        inv[r][j] -= f * inv[p][j];
+                    }
+                }
+            }
+        }
+        // Cholesky H⁻¹ = L·Lᵀ; U = Lᵀ.
+        let mut l = vec![vec![0.0f64; k]; k];
+        for i in 0..k {
+            for j in 0..=i {
+                let s: f64 = inv[i][j] - (0..j).map(|m| l[i][m] * l[j][m]).sum::<f64>();
+                l[i][j] = if i == j { s.sqrt() } else { s / l[j][j] };
+            }
+        }
+        let u = |i: usize, j: usize| l[j][i];
+        let mut codes = vec![0u8; n * k];
+        let mut loss = 0.0;
+        let mut current: Vec<(f64, f64)> = Vec::new();
+        let mut snapshot = w.clone();
+        for c in 0..k {
+            if c % o.block_size == 0 {
+                snapshot = w.clone();
+            }
+            if c % g == 0 {
+                current = snapshot
+                    .iter()
+                    .map(|r| params(&r[c..(c + g).min(k)]))
+                    .collect();
+            }
+            for r in 0..n {
+                let (scale, zero) = if q.group_size < 0 {
+                    whole[r]
+                } else if o.act_order == ActOrder::Static {
+                    groups[perm[c] / g][r]
+                } else {
+                    current[r]
+                };
+                let x = w[r][c];
+                let code = ((x / scale).round_ties_even() + zero).clamp(0.0, maxq);
+                let qv = scale * (code - zero);
+                codes[r * k + perm[c]] = code as u8;
+                let d = u(c, c);
+                loss += (x - qv).powi(2) / (d * d) / 2.0;
+                let e = (x - qv) / d;
+                for j in c..k {
+                    w[r][j] -= e * u(c, j);
+                }
+            }
+        }
+        (codes, loss)
+    }
+
+    #[test]
+    fn blocked_solver_matches_naive_reference() {
+        let (tokens, n, k) = (512, 8, 64);
+        let x = correlated_inputs(tokens, k, 11);
+        let h = hessian_of(&x);
+        let hv = h.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let wv = Rng(12).gaussians(n * k);
+        let w = tensor(wv.clone(), n, k);
+        let cases = [
+            (ActOrder::Off, 16, 16, true),
+            (ActOrder::Off, 16, 32, true), // g < block: parameters from stale W
+            (ActOrder::Dynamic, 32, 16, true),
+            (ActOrder::Dynamic, 16, 48, false), // blocks not aligned with groups
+            (ActOrder::Static, 16, 24, true),
+            (ActOrder::Static, 32, 16, false),
+            (ActOrder::Static, -1, 16, true),
+        ];
+        for (mode, group, block, sym) in cases {
+            let mut o = opts(mode, group);
+            o.block_size = block;
+            o.quant.sym = sym;
+            let got = gptq_quantize(&w, &h, &o).unwrap();
+            let (codes, loss) = reference_gptq(&wv, &hv, n, k, &o);
+            let case = format!("{mode:?} g{group} block{block} sym{sym}");
+            assert_eq!(got.codes, codes, "{case}");
+            assert!(
+                (got.loss - loss).abs() <= 1e-3 * loss,
+                "{case}: loss {} vs {loss}",
+                got.loss
+            );
+        }
+    }
+
+    #[test]
+    fn dequantize_reproduces_the_solvers_q_bit_exactly() {
+        let (tokens, n, k) = (512, 12, 96);
+        let x = correlated_inputs(tokens, k, 21);
+        let h = hessian_of(&x);
+        let w = tensor(Rng(22).gaussians(n * k), n, k);
+        for mode in MODES {
+            for (group, sym, mse) in [(32, true, false), (-1, false, false), (16, false, true)] {
+                let mut o = opts(mode, group);
+                o.quant.sym = sym;
+                o.quant.mse = mse;
+                o.block_size = 32;
+                let (ql, q, perm) = solve(&w, &h, &o).unwrap();
+                let q = solver_q(&q, &perm, n, k);
+                let deq = ql.dequantize();
+                let same = q.iter().zip(&deq).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{mode:?} g{group} sym{sym} mse{mse}");
+                let t = ql.dequantize_tensor(&CPU, DType::BF16).unwrap();
+                assert_eq!((t.dims(), t.dtype()), (&[n, k][..], DType::BF16));
+            }
+        }
+    }
+
+    #[test]
+    fn indefinite_hessian_escalates_damping() {
+        // Identity except a 2×2 block [[1, 1.05], [1.05, 1]] with eigenvalue −0.05: it factorizes
+        // only once damp·mean(diag) > 0.05, i.e. at 0.001·2⁶ = 0.064.
+        let (n, k) = (4, 8);
+        let mut hv = vec![0.0f32; k * k];
+        for i in 0..k {
+            hv[i * k + i] = 1.0;
+        }
+        hv[1] = 1.05;
+        hv[k] = 1.05;
+        let w = tensor(Rng(31).gaussians(n * k), n, k);
+        let mut o = opts(ActOrder::Off, 8);
+        o.damp = 0.001;
+        let ql = gptq_quantize(&w, &tensor(hv, k, k), &o).unwrap();
+        assert!((ql.damp_used - 0.064).abs() < 1e-12, "{}", ql.damp_used);
+
+        // No damping can make −I positive definite: a clear error naming the module.
+        let minus_eye: Vec<f32> = (0..k * k)
+            .map(|i| if i % (k + 1) == 0 { -1.0 } else { 0.0 })
+            .collect();
+        let err = gptq_quantize(&w, &tensor(minus_eye, k, k), &o)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("model.layers.0.mlp.down_proj") && err.contains("damp 1.0"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn rank_deficient_hessian_is_solved() {
+        // Columns 16..32 duplicate 0..16: H has rank 16 of 32.
+        let (tokens, n, k) = (256, 8, 32);
+        let half = correlated_inputs(tokens, k / 2, 41);
+        let x = Tensor::cat(&[&half, &half], 1).unwrap();
+        let w = tensor(Rng(42).gaussians(n * k), n, k);
+        for damp in [1e-9, 0.01] {
+            let mut o = opts(ActOrder::Static, 16);
+            o.damp = damp;
+            let ql = gptq_quantize(&w, &hessian_of(&x), &o).unwrap();
+            assert!(ql.damp_used >= damp && ql.loss.is_finite());
+            assert!(ql.dequantize().iter().all(|v| v.is_finite()));
+        }
+    }
+
+    #[test]
+    fn dead_columns_are_zeroed_and_counted() {
+        let (tokens, n, k) = (256, 8, 32);
+        let x = correlated_inputs(tokens, k, 51);
+        let col_mask: Vec<f32> = (0..k)
+            .map(|j| if j == 3 || j == 20 { 0.0 } else { 1.0 })
+            .collect();
+        let x = x
+            .broadcast_mul(&Tensor::new(col_mask.as_slice(), &CPU).unwrap())
+            .unwrap();
+        let w = tensor(Rng(52).gaussians(n * k), n, k);
+        for mode in MODES {
+            let ql = gptq_quantize(&w, &hessian_of(&x), &opts(mode, 16)).unwrap();
+            assert_eq!(ql.dead_columns, 2);
+            assert!(ql.loss.is_finite());
+            let q = ql.dequantize();
+            for r in 0..n {
+                assert_eq!((q[r * k + 3], q[r * k + 20]), (0.0, 0.0), "{mode:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn all_widths_and_asym_keep_codes_in_range() {
+        let (tokens, n, k) = (256, 8, 64);
+        let h = hessian_of(&correlated_inputs(tokens, k, 61));
+        let w = tensor(Rng(62).gaussians(n * k), n, k);
+        for bits in [2u8, 3, 4, 8] {
+            for sym in [true, false] {
+                let mut o = opts(ActOrder::Dynamic, 32);
+                o.quant.bits = bits;
+                o.quant.sym = sym;
+                let maxq = (1u32 << bits) - 1;
+                for ql in [
+                    gptq_quantize(&w, &h, &o).unwrap(),
+                    rtn_quantize(&w, &o).unwrap(),
+                ] {
+                    assert!(ql.codes.iter().all(|&c| c as u32 <= maxq), "bits {bits}");
+                    assert!(ql.zeros.iter().all(|&z| z as u32 <= maxq), "bits {bits}");
+                    assert!(ql.scales.iter().all(|&s| s > 0.0 && s.is_finite()));
+                    if sym {
+                        assert!(ql.zeros.iter().all(|&z| z as u32 == maxq.div_ceil(2)));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn non_finite_inputs_are_refused_with_the_module_name() {
+        let (n, k) = (4, 16);
+        let h = hessian_of(&correlated_inputs(64, k, 71));
+        let mut wv = Rng(72).gaussians(n * k);
+        wv[k + 5] = f32::NAN;
+        let o = opts(ActOrder::Static, 8);
+        let err = gptq_quantize(&tensor(wv.clone(), n, k), &h, &o)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("model.layers.0.mlp.down_proj") && err.contains("[1, 5]"),
+            "{err}"
+        );
+        assert!(rtn_quantize(&tensor(wv, n, k), &o).is_err());
+
+        let w = tensor(Rng(73).gaussians(n * k), n, k);
+        let bad_h = h
+            .broadcast_mul(&Tensor::new(f32::INFINITY, &CPU).unwrap())
+            .unwrap();
+        let err = gptq_quantize(&w, &bad_h, &o).unwrap_err().to_string();
+        assert!(
+            err.contains("down_proj") && err.contains("Hessian"),
+            "{err}"
+        );
+        let small_h = h.narrow(0, 0, 8).unwrap().narrow(1, 0, 8).unwrap();
+        assert!(gptq_quantize(&w, &small_h, &o).is_err());
+    }
+}

@@ -1,0 +1,220 @@
+//! The resume journal inside `<out>.partial/journal/`: one safetensors file per finished layer
+//! (its packed quantized tensors) and `journal.json` with the hashes of everything that
+//! determines the result (config, source weights, calibration windows, settings) and the report
+//! rows of each finished layer. The hidden states are not stored: a resumed run regenerates them
+//! by replaying the finished layers with their stored weights, which reproduces them exactly.
+
+use super::report::ModuleRow;
+use super::Settings;
+use crate::checkpoint::writer::{self, sha256_file, TensorSpec};
+use crate::checkpoint::{Checkpoint, Dtype};
+use anyhow::{bail, Context, Result};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+
+const JOURNAL_FILE: &str = "journal.json";
+const JOURNAL_VERSION: u32 = 1;
+
+/// Packed tensors of one quantized Linear, as stored in the journal and the checkpoint.
+pub struct Packed {
+    pub qweight: Vec<i32>,
+    pub qzeros: Vec<i32>,
+    pub scales_f16: Vec<u8>,
+    pub g_idx: Vec<i32>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Hashes {
+    pub config_sha256: String,
+    /// SHA-256 of every safetensors file of the source model.
+    pub source_sha256: BTreeMap<String, String>,
+    pub calibration_sha256: String,
+    pub settings_sha256: String,
+    pub tool_version: String,
+}
+
+impl Hashes {
+    pub fn compute(
+        src_dir: &Path,
+        ck: &Checkpoint,
+        settings: &Settings,
+        calibration_sha256: &str,
+    ) -> Result<Self> {
+        let files: Vec<&Path> = ck.shards.iter().map(|s| s.path.as_path()).collect();
+        let sums: Vec<Result<(String, String)>> = files
+            .par_iter()
+            .map(|p| {
+                Ok((
+                    p.file_name().unwrap().to_string_lossy().into_owned(),
+                    sha256_file(p)?,
+                ))
+            })
+            .collect();
+        let mut source_sha256 = BTreeMap::new();
+        for r in sums {
+            let (k, v) = r?;
+            source_sha256.insert(k, v);
+        }
+        let settings_json = serde_json::to_vec(settings)?;
+        Ok(Self {
+            config_sha256: sha256_file(&src_dir.join("config.json"))?,
+            source_sha256,
+            calibration_sha256: calibration_sha256.to_string(),
+            settings_sha256: writer::hex(&Sha256::digest(&settings_json)),
+            tool_version: env!("CARGO_PKG_VERSION").to_string(),
+        })
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct JournalLayer {
+    pub index: usize,
+    pub file: String,
+    pub sha256: String,
+    pub rows: Vec<ModuleRow>,
+    pub seconds: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Journal {
+    pub version: u32,
+    pub hashes: Hashes,
+    pub layers: Vec<JournalLayer>,
+}
+
+impl Journal {
+    pub fn new(hashes: Hashes) -> Self {
+        Self {
+            version: JOURNAL_VERSION,
+            hashes,
+            layers: vec![],
+        }
+    }
+
+    pub fn load(dir: &Path) -> Result<Self> {
+        let p = dir.join(JOURNAL_FILE);
+        let text = std::fs::read_to_string(&p)
+            .with_context(|| format!("cannot resume: {} is missing", p.display()))?;
+        let j: Journal = serde_json::from_str(&text)
+            .with_context(|| format!("cannot resume: {} is not a valid journal", p.display()))?;
+        if j.version != JOURNAL_VERSION {
+            bail!(
+                "cannot resume: {} has journal version {}, this tool writes {JOURNAL_VERSION}",
+                p.display(),
+                j.version
+            );
+        }
+        Ok(j)
+    }
+
+    /// Written to a temporary file and renamed, so a crash never leaves a torn journal.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        let tmp = dir.join(format!("{JOURNAL_FILE}.tmp"));
+        let mut f = std::fs::File::create(&tmp)
+            .with_context(|| format!("cannot write {}", tmp.display()))?;
+        f.write_all(serde_json::to_string_pretty(self)?.as_bytes())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, dir.join(JOURNAL_FILE))
+            .with_context(|| format!("cannot update the journal in {}", dir.display()))
+    }
+
+    /// Refuses to resume when anything that determines the output has changed.
+    pub fn check_matches(&self, now: &Hashes) -> Result<()> {
+        let h = &self.hashes;
+        let what = if h.tool_version != now.tool_version {
+            format!(
+                "the tool version changed ({} → {})",
+                h.tool_version, now.tool_version
+            )
+        } else if h.config_sha256 != now.config_sha256 {
+            "the model's config.json changed".to_string()
+        } else if h.source_sha256 != now.source_sha256 {
+            "the source weights changed".to_string()
+        } else if h.settings_sha256 != now.settings_sha256 {
+            "the quantization settings differ from the interrupted run (use the same flags)"
+                .to_string()
+        } else if h.calibration_sha256 != now.calibration_sha256 {
+            "the calibration data changed".to_string()
+        } else {
+            return Ok(());
+        };
+        bail!("cannot resume: {what}; start again without --resume (add --force if --out exists)")
+    }
+}
+
+pub fn write_layer_file(
+    dir: &Path,
+    layer: usize,
+    packed: &[(String, Packed)],
+) -> Result<(String, String)> {
+    let sub = dir.join(format!("layer-{layer:05}"));
+    if sub.exists() {
+        std::fs::remove_dir_all(&sub)?;
+    }
+    std::fs::create_dir_all(&sub)?;
+    let mut specs = vec![];
+    let mut data: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    for (prefix, p) in packed {
+        for (name, dtype, bytes) in [
+            (
+                "qweight",
+                Dtype::I32,
+                crate::format::i32_to_le_bytes(&p.qweight),
+            ),
+            (
+                "qzeros",
+                Dtype::I32,
+                crate::format::i32_to_le_bytes(&p.qzeros),
+            ),
+            ("scales", Dtype::F16, p.scales_f16.clone()),
+            (
+                "g_idx",
+                Dtype::I32,
+                crate::format::i32_to_le_bytes(&p.g_idx),
+            ),
+        ] {
+            let full = format!("{prefix}.{name}");
+            let numel = bytes.len() / dtype.size();
+            specs.push(TensorSpec::new(full.clone(), dtype, vec![numel]));
+            data.insert(full, bytes);
+        }
+    }
+    let files = writer::write_sharded(&sub, &specs, u64::MAX, |spec, w| {
+        w.write_all(&data[&spec.name])?;
+        Ok(())
+    })?;
+    let rel = format!("layer-{layer:05}/{}", files[0]);
+    let sha = sha256_file(&dir.join(&rel))?;
+    Ok((rel, sha))
+}
+
+/// Opens a finished layer's file, checking it against the hash the journal recorded.
+pub fn open_layer_file(dir: &Path, entry: &JournalLayer) -> Result<Checkpoint> {
+    let path = dir.join(&entry.file);
+    let sha = sha256_file(&path)
+        .with_context(|| format!("cannot resume: journal file {} is missing", path.display()))?;
+    if sha != entry.sha256 {
+        bail!(
+            "cannot resume: journal file {} is corrupted (SHA-256 differs from journal.json)",
+            path.display()
+        );
+    }
+    let parent = path.parent().unwrap();
+    Checkpoint::open_files(
+        parent,
+        &[path.file_name().unwrap().to_string_lossy().into_owned()],
+    )
+}
+
+pub fn read_packed(ck: &Checkpoint, prefix: &str) -> Result<Packed> {
+    Ok(Packed {
+        qweight: ck.i32_data(&format!("{prefix}.qweight"))?,
+        qzeros: ck.i32_data(&format!("{prefix}.qzeros"))?,
+        scales_f16: ck.bytes(&format!("{prefix}.scales"))?.to_vec(),
+        g_idx: ck.i32_data(&format!("{prefix}.g_idx"))?,
+    })
+}

@@ -1,0 +1,748 @@
+//! `quantize`: the layer-by-layer GPTQ pipeline (design.md decisions 4, 5, 7, 9).
+//!
+//! Embed the calibration windows; then for each decoder layer, for each true-sequential subset
+//! ([q, k, v, gate] → [o] → [gate, up] → [down]) run the layer up to that subset's input while
+//! accumulating one Hessian per distinct input, solve each Linear, and put the dequantized
+//! weights back so later subsets and the next layer see the quantized model. Each finished layer
+//! is written to a journal inside `<out>.partial` (its packed tensors and report rows, with hashes
+//! of everything that determines it), so `--resume` can continue after a crash; the journal is
+//! then assembled into the final sharded GPTQ checkpoint and the folder renamed into place.
+
+mod journal;
+mod report;
+
+use crate::calib::{self, CalibSpec, ChatFormat};
+use crate::checkpoint::writer::{self, OutputDir, TensorSpec, SIDE_FILES};
+use crate::checkpoint::{Checkpoint, Dtype};
+use crate::format;
+use crate::gptq::{self, ActOrder, HessianAccumulator, QuantParams, QuantizedLinear, SolveOptions};
+use crate::model::minicpm_sala::{DecoderLayer, LinearGroup, Model};
+use crate::model::Config;
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use journal::{Journal, JournalLayer, Packed};
+pub use report::{ModuleRow, QuantizeReport};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Method {
+    Gptq,
+    Rtn,
+}
+
+#[derive(Debug, Clone)]
+pub struct QuantizeOptions {
+    pub model: String,
+    pub revision: Option<String>,
+    pub calib: Vec<CalibSpec>,
+    pub out: PathBuf,
+    pub bits: u8,
+    pub group_size: i64,
+    pub act_order: ActOrder,
+    pub sym: bool,
+    pub damp: f64,
+    pub nsamples: usize,
+    pub seqlen: usize,
+    pub seed: u64,
+    pub skip: Vec<String>,
+    pub device: Device,
+    pub dtype: DType,
+    pub true_sequential: bool,
+    pub mse: bool,
+    pub save_hessians: Option<PathBuf>,
+    pub resume: bool,
+    pub force: bool,
+    pub method: Method,
+    /// Calibration windows per forward batch.
+    pub batch: usize,
+    pub shard_bytes: u64,
+    /// Stop (with an error) after this many layers: for testing `--resume`.
+    pub stop_after_layers: Option<usize>,
+}
+
+/// Sentinel error that ends a layer's forward once the wanted subset's input has been seen.
+#[derive(Debug)]
+struct StopForward;
+impl std::fmt::Display for StopForward {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("forward stopped after capture")
+    }
+}
+impl std::error::Error for StopForward {}
+
+/// Settings that determine the output; hashed into the journal and recorded in the report.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Settings {
+    pub method: Method,
+    pub bits: u8,
+    pub group_size: i64,
+    pub act_order: &'static str,
+    pub sym: bool,
+    pub damp: f64,
+    pub mse: bool,
+    pub true_sequential: bool,
+    pub nsamples: usize,
+    pub seqlen: usize,
+    pub seed: u64,
+    pub skip: Vec<String>,
+    pub calib: Vec<String>,
+    pub dtype: String,
+    pub device_kind: &'static str,
+}
+
+pub fn act_order_name(a: ActOrder) -> &'static str {
+    match a {
+        ActOrder::Static => "static",
+        ActOrder::Dynamic => "dynamic",
+        ActOrder::Off => "off",
+    }
+}
+
+/// Fused groups that SGLang loads as one Linear: their members must all be quantized or all
+/// be skipped.
+const FUSED: &[&[&str]] = &[
+    &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+    &["mlp.gate_proj", "mlp.up_proj"],
+];
+
+fn compile_skips(skip: &[String]) -> Result<Vec<regex::Regex>> {
+    skip.iter()
+        .map(|s| {
+            regex::Regex::new(s)
+                .map_err(|e| anyhow!("--skip {s:?} is not a valid regular expression: {e}"))
+        })
+        .collect()
+}
+
+/// Modules to quantize per layer (relative names), with fused groups checked.
+fn plan_modules(
+    cfg: &Config,
+    skips: &[regex::Regex],
+    skip_src: &[String],
+) -> Result<Vec<Vec<(String, bool)>>> {
+    let mut plan = vec![];
+    for i in 0..cfg.num_hidden_layers {
+        let mut mods = vec![];
+        for (name, _) in cfg.layer_tensors(i) {
+            let Some(m) = name.strip_suffix(".weight") else {
+                continue;
+            };
+            if !(m.ends_with("_proj") || m.ends_with("o_gate")) {
+                continue;
+            }
+            let full = format!("model.layers.{i}.{m}");
+            let skipped = skips.iter().any(|r| r.is_match(&full));
+            mods.push((m.to_string(), skipped));
+        }
+        for group in FUSED {
+            let states: Vec<bool> = group
+                .iter()
+                .filter_map(|g| mods.iter().find(|(m, _)| m == g).map(|(_, s)| *s))
+                .collect();
+            if states.iter().any(|&s| s) && !states.iter().all(|&s| s) {
+                bail!(
+                    "--skip {:?} splits the fused group {} of layer {i}: SGLang loads {} as one Linear, so skip all of them or none",
+                    skip_src,
+                    group.join("/"),
+                    group.join(", ")
+                );
+            }
+        }
+        plan.push(mods);
+    }
+    Ok(plan)
+}
+
+/// Peak resident memory of this process in bytes (VmHWM), where the OS reports it.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+fn pack(q: &QuantizedLinear, bits: u8, v1: bool) -> Result<Packed> {
+    let (n, k) = (q.n, q.k);
+    let mut codes_kn = vec![0u8; k * n];
+    for r in 0..n {
+        for c in 0..k {
+            codes_kn[c * n + r] = q.codes[r * k + c];
+        }
+    }
+    let groups = q.n_groups();
+    Ok(Packed {
+        qweight: format::pack_qweight(&codes_kn, k, n, bits)?,
+        qzeros: format::pack_qzeros(&q.zeros, groups, n, bits, v1)?,
+        scales_f16: format::f32_to_f16_le_bytes(&q.scales),
+        g_idx: q.g_idx.clone(),
+    })
+}
+
+/// The weights a server computes with: decoded from the stored tensors (fp16 scales), as
+/// `[N, K]` in `dtype`. Used both after a solve and when a resumed run replays finished layers,
+/// so both paths feed the next layer bit-identical weights.
+fn decode_stored(
+    p: &Packed,
+    n: usize,
+    k: usize,
+    bits: u8,
+    v1: bool,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    let scales = format::f16_le_bytes_to_f32(&p.scales_f16)?;
+    let wt = format::dequantize_gptq(&format::GptqTensors {
+        qweight: &p.qweight,
+        qzeros: &p.qzeros,
+        scales: &scales,
+        g_idx: &p.g_idx,
+        k,
+        n,
+        bits,
+        v1,
+    })?;
+    Ok(Tensor::from_vec(wt, (k, n), device)?
+        .t()?
+        .contiguous()?
+        .to_dtype(dtype)?)
+}
+
+/// ||X(W−Q)ᵀ||_F / ||XWᵀ||_F on the calibration tokens, from H ∝ XᵀX: sqrt(tr(D H Dᵀ) / tr(W H Wᵀ)).
+fn relative_output_error(w: &Tensor, q: &Tensor, h: &Tensor) -> Result<f64> {
+    let w = w.to_dtype(DType::F32)?;
+    let d = (&w - q.to_dtype(DType::F32)?)?;
+    let quad = |m: &Tensor| -> Result<f64> {
+        Ok(m.matmul(h)?
+            .mul(m)?
+            .sum_all()?
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()?)
+    };
+    let den = quad(&w)?;
+    Ok(if den > 0.0 {
+        (quad(&d)? / den).max(0.0).sqrt()
+    } else {
+        0.0
+    })
+}
+
+/// Runs `layer` over all hidden-state batches, feeding the inputs of `groups` to their
+/// accumulators and stopping each forward after the last wanted group.
+fn accumulate(
+    layer: &DecoderLayer,
+    states: &[Tensor],
+    groups: &[LinearGroup],
+    acc: &mut BTreeMap<LinearGroup, HessianAccumulator>,
+) -> Result<()> {
+    let last = *groups.iter().max().expect("at least one group");
+    for h in states {
+        let r = layer.forward(h, &mut |g, x| {
+            if groups.contains(&g) {
+                acc.get_mut(&g)
+                    .expect("accumulator per group")
+                    .add_batch(x, None)?;
+            }
+            if g == last {
+                return Err(StopForward.into());
+            }
+            Ok(())
+        });
+        match r {
+            Ok(_) => {}
+            Err(e) if e.downcast_ref::<StopForward>().is_some() => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
+    let t0 = Instant::now();
+    let src = crate::source::resolve(&opts.model, opts.revision.as_deref())?;
+    let cfg = Config::from_file(&src.dir.join("config.json"))?;
+    let ck = Checkpoint::open(&src.dir)?;
+    ck.validate_exact(&cfg.expected_tensors())?;
+    let tok_path = src.dir.join("tokenizer.json");
+    let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
+        .map_err(|e| anyhow!("cannot load {}: {e}", tok_path.display()))?;
+
+    // Settings are checked before any heavy work.
+    let quant = QuantParams {
+        bits: opts.bits,
+        group_size: opts.group_size,
+        sym: opts.sym,
+        mse: opts.mse,
+    };
+    quant.validate().context("invalid quantization settings")?;
+    if opts.bits == 3 {
+        bail!("--bits 3 cannot be packed in the GPTQ format this tool writes: use 2, 4 or 8");
+    }
+    if opts.seqlen >= cfg.sparse_config.dense_len {
+        bail!(
+            "--seqlen {} is at or above sparse_config.dense_len = {}: InfLLM-v2 sparse attention is not implemented; use a smaller --seqlen",
+            opts.seqlen,
+            cfg.sparse_config.dense_len
+        );
+    }
+    let skips = compile_skips(&opts.skip)?;
+    let plan = plan_modules(&cfg, &skips, &opts.skip)?;
+    if opts.group_size > 0 {
+        for (i, mods) in plan.iter().enumerate() {
+            for (m, skipped) in mods {
+                let shape = &cfg
+                    .layer_tensors(i)
+                    .into_iter()
+                    .find(|(n, _)| n == &format!("{m}.weight"))
+                    .unwrap()
+                    .1;
+                if !skipped && shape[1] % opts.group_size as usize != 0 {
+                    bail!(
+                        "--group-size {} does not divide in_features {} of model.layers.{i}.{m}: use a group size that divides it, or -1",
+                        opts.group_size,
+                        shape[1]
+                    );
+                }
+            }
+        }
+    }
+    let v1 = opts.sym;
+    let settings = Settings {
+        method: opts.method,
+        bits: opts.bits,
+        group_size: opts.group_size,
+        act_order: act_order_name(opts.act_order),
+        sym: opts.sym,
+        damp: opts.damp,
+        mse: opts.mse,
+        true_sequential: opts.true_sequential,
+        nsamples: opts.nsamples,
+        seqlen: opts.seqlen,
+        seed: opts.seed,
+        skip: opts.skip.clone(),
+        calib: opts
+            .calib
+            .iter()
+            .map(|c| format!("{}:{}", c.path, c.weight))
+            .collect(),
+        dtype: format!("{:?}", opts.dtype).to_lowercase(),
+        device_kind: if opts.device.is_cpu() { "cpu" } else { "cuda" },
+    };
+
+    // Calibration.
+    let chat = ChatFormat::from_model_dir(&src.dir)?;
+    let sources = calib::load_sources(&opts.calib, &chat)?;
+    let calib = calib::build_windows(
+        &sources,
+        &tokenizer,
+        cfg.vocab_size,
+        opts.nsamples,
+        opts.seqlen,
+        opts.seed,
+    )?;
+
+    // Hashes that pin down the output, for the journal and the report.
+    let hashes = journal::Hashes::compute(&src.dir, &ck, &settings, &calib.sha256)?;
+
+    let mut out = if opts.resume {
+        OutputDir::reopen(&opts.out, opts.force)?
+    } else {
+        OutputDir::create(&opts.out, opts.force)?
+    };
+    let jdir = out.path().join("journal");
+    let mut journal = if opts.resume {
+        let j = Journal::load(&jdir)?;
+        j.check_matches(&hashes)?;
+        j
+    } else {
+        std::fs::create_dir_all(&jdir)
+            .with_context(|| format!("cannot create {}", jdir.display()))?;
+        Journal::new(hashes.clone())
+    };
+    if let Some(dir) = &opts.save_hessians {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create --save-hessians folder {}", dir.display()))?;
+    }
+
+    let result = run_layers(
+        opts,
+        &cfg,
+        &ck,
+        &calib.windows,
+        &plan,
+        v1,
+        &quant,
+        &jdir,
+        &mut journal,
+    );
+    if let Err(e) = result {
+        if !journal.layers.is_empty() {
+            out.keep_on_failure(true);
+            return Err(e.context(format!(
+                "{} finished layer(s) are kept in {}: rerun the same command with --resume to continue",
+                journal.layers.len(),
+                out.path().display()
+            )));
+        }
+        return Err(e);
+    }
+
+    // Assemble the checkpoint from the journal.
+    let pb = crate::cli::progress::bar(1, "write");
+    let t_write = Instant::now();
+    let qc = quantization_config(opts, &settings, &journal, &calib);
+    assemble(
+        out.path(),
+        &src.dir,
+        &ck,
+        &cfg,
+        &plan,
+        &journal,
+        &jdir,
+        opts,
+        &qc,
+    )?;
+    std::fs::remove_dir_all(&jdir).with_context(|| format!("cannot remove {}", jdir.display()))?;
+    pb.finish_and_clear();
+    let mut report = QuantizeReport {
+        tool: format!("soar-gptq {}", env!("CARGO_PKG_VERSION")),
+        model: src.description.clone(),
+        settings,
+        calibration: calib.usage.clone(),
+        calibration_sha256: calib.sha256.clone(),
+        hashes,
+        modules: journal.layers.iter().flat_map(|l| l.rows.clone()).collect(),
+        seconds: BTreeMap::new(),
+        total_seconds: 0.0,
+        peak_rss_bytes: None,
+        verify: None,
+        output: opts.out.display().to_string(),
+    };
+    report.seconds.insert(
+        "layers".into(),
+        journal.layers.iter().map(|l| l.seconds).sum(),
+    );
+    report
+        .seconds
+        .insert("write".into(), t_write.elapsed().as_secs_f64());
+    report.total_seconds = t0.elapsed().as_secs_f64();
+    report.peak_rss_bytes = peak_rss_bytes();
+    writer::write_file(
+        &out.path().join("quantize_report.json"),
+        serde_json::to_string_pretty(&report)?.as_bytes(),
+    )?;
+    out.commit()?;
+    Ok(report)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_layers(
+    opts: &QuantizeOptions,
+    cfg: &Config,
+    ck: &Checkpoint,
+    windows: &[Vec<u32>],
+    plan: &[Vec<(String, bool)>],
+    v1: bool,
+    quant: &QuantParams,
+    jdir: &Path,
+    journal: &mut Journal,
+) -> Result<()> {
+    let model = Model::load(ck, cfg, opts.dtype, &opts.device).context("loading the embedding")?;
+    let seqlen = windows[0].len();
+    let mut states = vec![];
+    for b in windows.chunks(opts.batch.max(1)) {
+        let flat: Vec<u32> = b.iter().flatten().copied().collect();
+        states.push(model.embed(&Tensor::from_vec(flat, (b.len(), seqlen), &opts.device)?)?);
+    }
+    let pb = crate::cli::progress::bar(cfg.num_hidden_layers as u64, "quantize");
+    // Replay the layers a previous run finished.
+    for entry in journal.layers.clone() {
+        pb.set_message(format!("layer {} (replaying journal)", entry.index));
+        let mut layer = model.load_layer(ck, entry.index)?;
+        let lf = journal::open_layer_file(jdir, &entry)?;
+        for (m, skipped) in &plan[entry.index] {
+            if *skipped {
+                continue;
+            }
+            let prefix = format!("model.layers.{}.{m}", entry.index);
+            let p = journal::read_packed(&lf, &prefix)?;
+            let lin = layer.linear_mut(m)?;
+            let (n, k) = lin.weight.dims2()?;
+            lin.weight = decode_stored(&p, n, k, opts.bits, v1, opts.dtype, &opts.device)?;
+        }
+        for h in states.iter_mut() {
+            *h = layer.forward(h, &mut |_, _| Ok(()))?;
+        }
+        pb.inc(1);
+    }
+    let start = journal.layers.len();
+    for i in start..cfg.num_hidden_layers {
+        if opts.stop_after_layers.is_some_and(|n| i >= n) {
+            bail!("stopped after {i} layer(s) as requested (--stop-after-layers)");
+        }
+        let t_layer = Instant::now();
+        let mut layer = model.load_layer(ck, i)?;
+        let subsets: Vec<Vec<LinearGroup>> = if opts.true_sequential {
+            LinearGroup::ALL.iter().map(|g| vec![*g]).collect()
+        } else {
+            vec![LinearGroup::ALL.to_vec()]
+        };
+        let mut rows = vec![];
+        let mut packed: Vec<(String, Packed)> = vec![];
+        for subset in subsets {
+            let names: Vec<(&str, LinearGroup)> = layer
+                .linears()
+                .into_iter()
+                .filter(|(_, g)| subset.contains(g))
+                .collect();
+            let mut acc = BTreeMap::new();
+            for &g in &subset {
+                let m = names
+                    .iter()
+                    .find(|(_, gg)| *gg == g)
+                    .expect("each group has a Linear")
+                    .0;
+                let k = layer.linear_mut(m)?.weight.dim(1)?;
+                let mut a = HessianAccumulator::new(k, &opts.device)?;
+                a.set_module_names(
+                    names
+                        .iter()
+                        .filter(|(_, gg)| *gg == g)
+                        .map(|(n, _)| format!("model.layers.{i}.{n}"))
+                        .collect(),
+                );
+                acc.insert(g, a);
+            }
+            pb.set_message(format!(
+                "layer {i}: Hessians {}",
+                subset
+                    .iter()
+                    .map(|g| g.name())
+                    .collect::<Vec<_>>()
+                    .join("+")
+            ));
+            if opts.method == Method::Gptq {
+                accumulate(&layer, &states, &subset, &mut acc)?;
+            }
+            let mut hessians = BTreeMap::new();
+            if opts.method == Method::Gptq {
+                for (g, a) in &acc {
+                    if let Some(dir) = &opts.save_hessians {
+                        a.save(&dir.join(format!("layer-{i:05}.{}.safetensors", g.name())))?;
+                    }
+                    hessians.insert(*g, a.hessian()?);
+                }
+            }
+            for (m, g) in names {
+                let full = format!("model.layers.{i}.{m}");
+                let skipped = plan[i].iter().any(|(n, s)| n == m && *s);
+                if skipped {
+                    rows.push(ModuleRow::skipped(&full, g));
+                    continue;
+                }
+                pb.set_message(format!("layer {i}: solving {m}"));
+                let t = Instant::now();
+                let lin = layer.linear_mut(m)?;
+                let w = lin.weight.clone();
+                let sopts = SolveOptions {
+                    quant: *quant,
+                    act_order: opts.act_order,
+                    damp: opts.damp,
+                    block_size: 128,
+                    module: full.clone(),
+                };
+                let q = match opts.method {
+                    Method::Gptq => gptq::gptq_quantize(&w, &hessians[&g], &sopts)?,
+                    Method::Rtn => gptq::rtn_quantize(&w, &sopts)?,
+                };
+                let p = pack(&q, opts.bits, v1).with_context(|| format!("packing {full}"))?;
+                let (n, k) = (q.n, q.k);
+                let deq = decode_stored(&p, n, k, opts.bits, v1, opts.dtype, &opts.device)?;
+                let rel = match hessians.get(&g) {
+                    Some(h) => Some(relative_output_error(&w, &deq, h)?),
+                    None => None,
+                };
+                lin.weight = deq;
+                let row = ModuleRow {
+                    module: full.clone(),
+                    group: g.name().to_string(),
+                    n,
+                    k,
+                    quantized: true,
+                    loss: q.loss,
+                    rel_output_error: rel,
+                    damp: q.damp_used,
+                    dead_columns: q.dead_columns,
+                    seconds: t.elapsed().as_secs_f64(),
+                };
+                pb.println(row.line());
+                rows.push(row);
+                packed.push((full, p));
+            }
+        }
+        pb.set_message(format!("layer {i}: forward"));
+        for h in states.iter_mut() {
+            *h = layer.forward(h, &mut |_, _| Ok(()))?;
+        }
+        let (file, sha256) = journal::write_layer_file(jdir, i, &packed)?;
+        journal.layers.push(JournalLayer {
+            index: i,
+            file,
+            sha256,
+            rows,
+            seconds: t_layer.elapsed().as_secs_f64(),
+        });
+        journal.save(jdir)?;
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+    Ok(())
+}
+
+fn quantization_config(
+    opts: &QuantizeOptions,
+    s: &Settings,
+    journal: &Journal,
+    calib: &calib::CalibSet,
+) -> serde_json::Value {
+    let mut dynamic = serde_json::Map::new();
+    for r in &opts.skip {
+        dynamic.insert(format!("-:{r}"), serde_json::json!({}));
+    }
+    let damps: Vec<f64> = journal
+        .layers
+        .iter()
+        .flat_map(|l| l.rows.iter().filter(|r| r.quantized).map(|r| r.damp))
+        .collect();
+    serde_json::json!({
+        "quant_method": "gptq",
+        "bits": opts.bits,
+        "group_size": opts.group_size,
+        "desc_act": opts.act_order == ActOrder::Dynamic,
+        "sym": opts.sym,
+        "lm_head": false,
+        "checkpoint_format": if opts.sym { "gptq" } else { "gptq_v2" },
+        "pack_dtype": "int32",
+        "damp_percent": opts.damp,
+        "true_sequential": opts.true_sequential,
+        "static_groups": opts.act_order == ActOrder::Static,
+        "dynamic": dynamic,
+        "meta": {
+            "quantizer": [format!("soar-gptq:{}", env!("CARGO_PKG_VERSION"))],
+            "method": s.method,
+            "act_order": s.act_order,
+            "damp_percent": opts.damp,
+            "damp_max_used": damps.iter().cloned().fold(0.0, f64::max),
+            "mse": opts.mse,
+            "true_sequential": opts.true_sequential,
+            "static_groups": opts.act_order == ActOrder::Static,
+            "nsamples": opts.nsamples,
+            "seqlen": opts.seqlen,
+            "seed": opts.seed,
+            "calibration": calib.usage,
+            "calibration_sha256": calib.sha256,
+        }
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn assemble(
+    dir: &Path,
+    src_dir: &Path,
+    ck: &Checkpoint,
+    cfg: &Config,
+    plan: &[Vec<(String, bool)>],
+    journal: &Journal,
+    jdir: &Path,
+    opts: &QuantizeOptions,
+    qc: &serde_json::Value,
+) -> Result<()> {
+    let quantized: std::collections::BTreeSet<String> = plan
+        .iter()
+        .enumerate()
+        .flat_map(|(i, mods)| {
+            mods.iter()
+                .filter(|(_, s)| !s)
+                .map(move |(m, _)| format!("model.layers.{i}.{m}"))
+        })
+        .collect();
+    let layer_files: Vec<Checkpoint> = journal
+        .layers
+        .iter()
+        .map(|l| journal::open_layer_file(jdir, l))
+        .collect::<Result<_>>()?;
+    let mut specs = vec![];
+    for (name, shape) in cfg.expected_tensors() {
+        let prefix = name.strip_suffix(".weight").unwrap_or(&name);
+        if quantized.contains(prefix) {
+            let (n, k) = (shape[0], shape[1]);
+            let per = 32 / opts.bits as usize;
+            let g = if opts.group_size > 0 {
+                k / opts.group_size as usize
+            } else {
+                1
+            };
+            specs.push(TensorSpec::new(
+                format!("{prefix}.qweight"),
+                Dtype::I32,
+                vec![k / per, n],
+            ));
+            specs.push(TensorSpec::new(
+                format!("{prefix}.qzeros"),
+                Dtype::I32,
+                vec![g, n / per],
+            ));
+            specs.push(TensorSpec::new(
+                format!("{prefix}.scales"),
+                Dtype::F16,
+                vec![g, n],
+            ));
+            specs.push(TensorSpec::new(
+                format!("{prefix}.g_idx"),
+                Dtype::I32,
+                vec![k],
+            ));
+        } else {
+            let e = ck.get(&name).expect("validated");
+            specs.push(TensorSpec::new(name.clone(), e.dtype, shape));
+        }
+    }
+    writer::write_sharded(dir, &specs, opts.shard_bytes, |spec, w| {
+        if ck.contains(&spec.name) {
+            w.write_all(ck.bytes(&spec.name)?)?;
+        } else {
+            let layer: usize = spec
+                .name
+                .split('.')
+                .nth(2)
+                .and_then(|s| s.parse().ok())
+                .expect("layer tensor");
+            w.write_all(layer_files[layer].bytes(&spec.name)?)?;
+        }
+        Ok(())
+    })?;
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src_dir.join("config.json"))?)?;
+    config["quantization_config"] = qc.clone();
+    writer::write_file(
+        &dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?.as_bytes(),
+    )?;
+    writer::write_file(
+        &dir.join("quantize_config.json"),
+        serde_json::to_string_pretty(qc)?.as_bytes(),
+    )?;
+    writer::copy_if_present(src_dir, dir, SIDE_FILES)?;
+    Ok(())
+}
+
+/// Rewrites `quantize_report.json` of a finished output (after `--verify` adds its comparison).
+/// The report is not hashed in the manifest (it holds timings), so the manifest stays valid.
+pub fn rewrite_report(out: &Path, report: &QuantizeReport) -> Result<()> {
+    writer::write_file(
+        &out.join("quantize_report.json"),
+        serde_json::to_string_pretty(report)?.as_bytes(),
+    )
+}

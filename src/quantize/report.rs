@@ -1,0 +1,106 @@
+//! What `quantize` reports: one row per module and `quantize_report.json`.
+
+use super::journal::Hashes;
+use super::Settings;
+use crate::calib::SourceUsage;
+use crate::model::LinearGroup;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ModuleRow {
+    pub module: String,
+    pub group: String,
+    pub n: usize,
+    pub k: usize,
+    pub quantized: bool,
+    /// GPTQ loss: Σ (w − q)² / d² / 2 over the module (0 for skipped modules).
+    pub loss: f64,
+    /// ||X(W−Q)ᵀ|| / ||XWᵀ|| on the calibration tokens (GPTQ runs only).
+    pub rel_output_error: Option<f64>,
+    /// Damping actually used (escalated from --damp when a factorization failed).
+    pub damp: f64,
+    pub dead_columns: usize,
+    pub seconds: f64,
+}
+
+impl ModuleRow {
+    pub fn skipped(module: &str, g: LinearGroup) -> Self {
+        Self {
+            module: module.to_string(),
+            group: g.name().to_string(),
+            n: 0,
+            k: 0,
+            quantized: false,
+            loss: 0.0,
+            rel_output_error: None,
+            damp: 0.0,
+            dead_columns: 0,
+            seconds: 0.0,
+        }
+    }
+
+    pub fn line(&self) -> String {
+        if !self.quantized {
+            return format!("{:<44} kept BF16 (--skip)", self.module);
+        }
+        let rel = self
+            .rel_output_error
+            .map(|r| format!("{:>9.5}", r))
+            .unwrap_or_else(|| format!("{:>9}", "-"));
+        format!(
+            "{:<44} {:>6}x{:<6} loss {:>11.4e}  rel.err {rel}  damp {:<7} {:>7.3}s",
+            self.module, self.n, self.k, self.loss, self.damp, self.seconds
+        )
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct QuantizeReport {
+    pub tool: String,
+    pub model: String,
+    pub output: String,
+    pub settings: Settings,
+    pub calibration: Vec<SourceUsage>,
+    pub calibration_sha256: String,
+    pub hashes: Hashes,
+    pub modules: Vec<ModuleRow>,
+    pub seconds: BTreeMap<String, f64>,
+    pub total_seconds: f64,
+    pub peak_rss_bytes: Option<u64>,
+    pub verify: Option<serde_json::Value>,
+}
+
+impl QuantizeReport {
+    pub fn print_text(&self) {
+        println!(
+            "{:<44} {:>13} {:>15} {:>17} {:>12} {:>8}",
+            "module", "shape", "loss", "rel.output.err", "damp", "seconds"
+        );
+        for r in &self.modules {
+            println!("{}", r.line());
+        }
+        let q = self.modules.iter().filter(|r| r.quantized).count();
+        println!(
+            "\n{} of {} modules quantized ({} {}-bit, group {}, act-order {}); {:.1} s in all, peak memory {}",
+            q,
+            self.modules.len(),
+            match self.settings.method {
+                super::Method::Gptq => "GPTQ",
+                super::Method::Rtn => "RTN",
+            },
+            self.settings.bits,
+            self.settings.group_size,
+            self.settings.act_order,
+            self.total_seconds,
+            self.peak_rss_bytes.map(|b| format!("{:.2} GB", b as f64 / 1e9)).unwrap_or_else(|| "unknown".into())
+        );
+        let used: Vec<String> = self
+            .calibration
+            .iter()
+            .map(|u| format!("{} {} tokens", u.name, u.tokens_used))
+            .collect();
+        println!("calibration: {}", used.join(", "));
+        println!("wrote {}", self.output);
+    }
+}

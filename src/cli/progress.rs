@@ -13,3 +13,13 @@ pub fn bar(len: u64, what: &str) -> ProgressBar {
     pb.set_prefix(what.to_string());
     pb
 }
+
+/// A line above the bar; plain stderr when the bar is hidden (pipes, CI logs), where indicatif
+/// would drop it.
+pub fn println(pb: &ProgressBar, line: String) {
+    if pb.is_hidden() {
+        eprintln!("{line}");
+    } else {
+        pb.println(line);
+    }
+}

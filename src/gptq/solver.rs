@@ -5,6 +5,8 @@
 //! errors of one block, `blocksize` columns per block. Tensors come from any candle device; the
 //! solve runs on the CPU: the factorization in f64 with faer, the column loop in f32 with rayon
 //! (rows are independent inside a block) and faer's GEMM for the lazy updates.
+//! faer 0.24.4's `MatMut::from_row_major_slice_with_stride_mut` builds a column-major view (see
+//! [`row_major_mut`]); this module never calls it.
 
 use std::time::Instant;
 
@@ -12,9 +14,10 @@ use anyhow::{bail, ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use faer::dyn_stack::{MemBuffer, MemStack};
 use faer::linalg::cholesky::llt::factor::{cholesky_in_place, cholesky_in_place_scratch};
-use faer::linalg::triangular_inverse::invert_upper_triangular;
+use faer::linalg::matmul::matmul;
+use faer::linalg::triangular_inverse::invert_lower_triangular;
 use faer::prelude::{Reborrow, ReborrowMut};
-use faer::{MatMut, Par};
+use faer::{Accum, MatMut, MatRef, Par};
 use rayon::prelude::*;
 
 use super::quantizer::{dequantize_code, quantize_code, QuantParams};
@@ -245,7 +248,8 @@ fn solve(
     drop(w);
     let mut w = w_perm;
 
-    // A.3.6–7: damping and the upper Cholesky factor U of H⁻¹ (H⁻¹ = UᵀU), in processing order.
+    // A.3.6–7: damping and the upper Cholesky factor U of H⁻¹ (H⁻¹ = UᵀU), in processing order,
+    // column-major: U[r][c] is u[c·K + r].
     let (u, damp_used) = inverse_cholesky_upper(&h, k, &perm, opts.damp, module)?;
     drop(h);
     let factor_s = t_factor.elapsed().as_secs_f64();
@@ -257,6 +261,7 @@ fn solve(
     let mut codes = vec![0u8; n * k];
     let mut loss = 0.0f64;
     let mut err1_buf = vec![0.0f32; n * blocksize];
+    let mut u1_buf = vec![0.0f32; blocksize * blocksize];
     for i1 in (0..k).step_by(blocksize) {
         let i2 = (i1 + blocksize).min(k);
         let width = i2 - i1;
@@ -271,6 +276,14 @@ fn solve(
                 zeros[t * n..(t + 1) * n].copy_from_slice(&z);
             }
         }
+        // U1 = U[i1:i2, i1:i2] row-major, so each row's in-block update reads contiguous memory.
+        let u1 = &mut u1_buf[..width * width];
+        for (i, u1_row) in u1.chunks_mut(width).enumerate() {
+            for (j, v) in u1_row.iter_mut().enumerate() {
+                *v = u[(i1 + j) * k + i1 + i];
+            }
+        }
+        let u1 = &*u1;
         let err1 = &mut err1_buf[..n * width];
         let (scales, zeros) = (&scales, &zeros);
         loss += w
@@ -283,8 +296,8 @@ fn solve(
                 for i in 0..width {
                     let c = i1 + i;
                     let p = param_row[c] * n + row;
-                    let u_row = &u[c * k..c * k + i2];
-                    let d = u_row[c];
+                    let u1_row = &u1[i * width..(i + 1) * width];
+                    let d = u1_row[i];
                     let x = w[c];
                     let code = quantize_code(x, scales[p], zeros[p], maxq);
                     let q = dequantize_code(code, scales[p], zeros[p]);
@@ -293,7 +306,7 @@ fn solve(
                     loss += ((x - q) * (x - q) / (d * d) / 2.0) as f64;
                     let e = (x - q) / d;
                     // W1[:, i:] -= outer(e, U1[i, i:]) for this row.
-                    for (wj, &uj) in w[c + 1..i2].iter_mut().zip(&u_row[c + 1..]) {
+                    for (wj, &uj) in w[c + 1..i2].iter_mut().zip(&u1_row[i + 1..]) {
                         *wj -= e * uj;
                     }
                     err_row[i] = e;
@@ -303,22 +316,11 @@ fn solve(
             .sum::<f64>();
         if i2 < k {
             // W[:, i2:] -= Err1 @ U[i1:i2, i2:]
-            // Through candle's GEMM: faer 0.24's x86 kernel reads and writes out of bounds on this
-            // strided row-major update (seen under valgrind), so it is not used here.
-            let rest = k - i2;
-            let u12: Vec<f32> = (i1..i2)
-                .flat_map(|r| u[r * k + i2..(r + 1) * k].iter().copied())
-                .collect();
-            let e = Tensor::from_slice(&err1[..], (n, width), &Device::Cpu)?;
-            let u12 = Tensor::from_vec(u12, (width, rest), &Device::Cpu)?;
-            let upd: Vec<f32> = e.matmul(&u12)?.flatten_all()?.to_vec1()?;
-            w.par_chunks_mut(k)
-                .zip(upd.par_chunks(rest))
-                .for_each(|(row, d)| {
-                    for (x, y) in row[i2..].iter_mut().zip(d) {
-                        *x -= y;
-                    }
-                });
+            let w_rest = row_major_mut(&mut w[i2..], n, k - i2, k);
+            let err1 = MatRef::from_row_major_slice(&*err1, n, width);
+            let u12 =
+                MatRef::from_column_major_slice_with_stride(&u[i2 * k + i1..], width, k - i2, k);
+            matmul(w_rest, Accum::Add, err1, u12, -1.0f32, Par::rayon(0));
         }
     }
     let loop_s = t_loop.elapsed().as_secs_f64();
@@ -355,11 +357,14 @@ fn natural_group_params(quant: &QuantParams, w: &[f32], k: usize) -> (Vec<f32>, 
     (scales, zeros)
 }
 
-/// U with `H⁻¹ = UᵀU` (upper triangular, row-major f32 `[K, K]`) of `H` permuted by `perm` and damped.
+/// U with `H⁻¹ = UᵀU` (upper triangular, column-major f32 `[K, K]`) of `H` permuted by `perm` and
+/// damped.
 ///
 /// Uses the identity of A.3.7 instead of chol → inverse → chol: with J the exchange matrix,
 /// `J·H·J = L·Lᵀ` gives `H = R·Rᵀ` with `R = J·L·J` upper triangular, hence `H⁻¹ = R⁻ᵀ·R⁻¹` and
-/// `U = R⁻¹`: one Cholesky and one triangular inverse (2/3 K³ flops instead of ~2 K³), in f64.
+/// `U = R⁻¹ = J·L⁻¹·J`: one Cholesky and one triangular inverse (2/3 K³ flops instead of ~2 K³),
+/// in f64. `J·H·J` is H gathered in reversed processing order, and `J·X·J` of a column-major X is
+/// its storage reversed, so faer only ever sees plain column-major matrices.
 /// A failed factorization doubles the damping (up to 1.0) and retries from the undamped H.
 fn inverse_cholesky_upper(
     h: &[f32],
@@ -369,14 +374,15 @@ fn inverse_cholesky_upper(
     module: &str,
 ) -> Result<(Vec<f32>, f64)> {
     let mean_diag = (0..k).map(|i| h[i * k + i] as f64).sum::<f64>() / k as f64;
+    let reversed: Vec<usize> = perm.iter().rev().copied().collect();
     let mut damp = damp;
     loop {
-        // Column-major f64 copy of H[perm][:, perm]; reading row perm[j] of the symmetric H for
+        // Column-major f64 J·H[perm][:, perm]·J; reading row `reversed[j]` of the symmetric H for
         // column j keeps the gather cache-friendly.
         let mut a = vec![0.0f64; k * k];
         a.par_chunks_mut(k).enumerate().for_each(|(j, col)| {
-            let h_row = &h[perm[j] * k..(perm[j] + 1) * k];
-            for (v, &pi) in col.iter_mut().zip(perm) {
+            let h_row = &h[reversed[j] * k..(reversed[j] + 1) * k];
+            for (v, &pi) in col.iter_mut().zip(&reversed) {
                 *v = h_row[pi] as f64;
             }
             col[j] += damp * mean_diag;
@@ -395,16 +401,14 @@ fn inverse_cholesky_upper(
     }
 }
 
-/// Factorizes the damped, permuted H (column-major in `a`, destroyed) and returns U row-major f32,
-/// or None when H is not numerically positive definite.
+/// Factorizes `J·H·J` (column-major in `a`, destroyed) and returns U column-major f32, or None when
+/// H is not numerically positive definite.
 fn upper_inverse_factor(a: &mut [f64], k: usize) -> Option<Vec<f32>> {
     let par = Par::rayon(0);
     let mut a = MatMut::from_column_major_slice_mut(a, k, k);
     let mut mem = MemBuffer::new(cholesky_in_place_scratch::<f64>(k, par, Default::default()));
-    // Cholesky of J·H·J: its lower factor L lands, seen through the reversed view, in the upper
-    // triangle of `a` as R = J·L·J.
     cholesky_in_place(
-        a.rb_mut().reverse_rows_and_cols_mut(),
+        a.rb_mut(),
         Default::default(),
         par,
         MemStack::new(&mut mem),
@@ -414,12 +418,29 @@ fn upper_inverse_factor(a: &mut [f64], k: usize) -> Option<Vec<f32>> {
     if (0..k).any(|i| !(a[(i, i)].is_finite() && a[(i, i)] > 0.0)) {
         return None;
     }
-    // Writing the inverse through a row-major view leaves U row-major, as the column loop reads it;
-    // the strictly lower triangle stays 0.
-    let mut u = vec![0.0f64; k * k];
-    invert_upper_triangular(MatMut::from_row_major_slice_mut(&mut u, k, k), a.rb(), par);
-    let u: Vec<f32> = u.par_iter().map(|&v| v as f32).collect();
+    let mut l_inv = vec![0.0f64; k * k];
+    invert_lower_triangular(
+        MatMut::from_column_major_slice_mut(&mut l_inv, k, k),
+        a.rb(),
+        par,
+    );
+    // U = J·L⁻¹·J: the column-major storage reversed. The strictly lower triangle of U (upper of
+    // L⁻¹) is never written by faer and stays 0.
+    let u: Vec<f32> = l_inv.par_iter().rev().map(|&v| v as f32).collect();
     u.par_iter().all(|v| v.is_finite()).then_some(u)
+}
+
+/// A row-major `[nrows, ncols]` view with the given row stride. Built as the transpose of a
+/// column-major view because faer 0.24.4's `MatMut::from_row_major_slice_with_stride_mut` swaps
+/// the strides (it returns a column-major view while checking row-major bounds, so writes land out
+/// of bounds).
+fn row_major_mut(
+    slice: &mut [f32],
+    nrows: usize,
+    ncols: usize,
+    row_stride: usize,
+) -> MatMut<'_, f32> {
+    MatMut::from_column_major_slice_with_stride_mut(slice, ncols, nrows, row_stride).transpose_mut()
 }
 
 fn matrix_dims(t: &Tensor, what: &str, module: &str) -> Result<(usize, usize)> {
@@ -542,34 +563,50 @@ mod tests {
 
     #[test]
     fn upper_factor_inverts_the_damped_permuted_hessian() {
-        let k = 40;
-        let h = hessian_of(&correlated_inputs(256, k, 91));
+        // K = 200 is past faer's unblocked thresholds, so its blocked Cholesky and triangular
+        // inverse (with their inner GEMMs) are what gets checked.
+        let k = 200;
+        let h = hessian_of(&correlated_inputs(1024, k, 91));
         let hv = h.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let perm: Vec<usize> = (0..k).rev().step_by(2).chain((0..k).step_by(2)).collect();
         let (u, damp) = inverse_cholesky_upper(&hv, k, &perm, 0.01, "m").unwrap();
         assert_eq!(damp, 0.01);
         let mean = (0..k).map(|i| hv[i * k + i] as f64).sum::<f64>() / k as f64;
-        // (UᵀU)·H_damped = I, H_damped = H[perm][:, perm] + 0.01·mean·I; U upper triangular.
-        for i in 0..k {
-            for j in 0..i {
-                assert_eq!(u[i * k + j], 0.0);
+        // U is upper triangular, column-major: U[r][c] = u[c·K + r].
+        let u = |r: usize, c: usize| u[c * k + r] as f64;
+        for c in 0..k {
+            for r in c + 1..k {
+                assert_eq!(u(r, c), 0.0);
             }
         }
+        // (UᵀU)·H_damped = I with H_damped = H[perm][:, perm] + 0.01·mean·I.
+        let mut utu = vec![0.0f64; k * k];
         for i in 0..k {
             for j in 0..k {
-                let mut s = 0.0f64;
-                for m in 0..k {
-                    let uu: f64 = (0..k)
-                        .map(|r| u[r * k + i] as f64 * u[r * k + m] as f64)
-                        .sum();
-                    let hd =
-                        hv[perm[m] * k + perm[j]] as f64 + if m == j { 0.01 * mean } else { 0.0 };
-                    s += uu * hd;
-                }
+                utu[i * k + j] = (0..=i.min(j)).map(|r| u(r, i) * u(r, j)).sum();
+            }
+        }
+        let hd = |m: usize, j: usize| {
+            hv[perm[m] * k + perm[j]] as f64 + if m == j { 0.01 * mean } else { 0.0 }
+        };
+        for i in 0..k {
+            for j in 0..k {
+                let s: f64 = (0..k).map(|m| utu[i * k + m] * hd(m, j)).sum();
                 let want = if i == j { 1.0 } else { 0.0 };
                 assert!((s - want).abs() < 1e-3, "[{i},{j}] = {s}");
             }
         }
+    }
+
+    #[test]
+    fn row_major_view_addresses_rows_by_stride() {
+        // A 2×3 window starting at column 1 of a 3×5 row-major buffer.
+        let mut buf: Vec<f32> = (0..15).map(|v| v as f32).collect();
+        let mut view = row_major_mut(&mut buf[1..], 3, 3, 5);
+        assert_eq!((view.nrows(), view.ncols()), (3, 3));
+        assert_eq!((view.row_stride(), view.col_stride()), (5, 1));
+        view[(2, 2)] = -1.0;
+        assert_eq!(buf[2 * 5 + 3], -1.0);
     }
 
     #[test]

@@ -277,8 +277,11 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         mse: opts.mse,
     };
     quant.validate().context("invalid quantization settings")?;
-    if opts.bits == 3 {
-        bail!("--bits 3 cannot be packed in the GPTQ format this tool writes: use 2, 4 or 8");
+    if ![2, 4, 8].contains(&opts.bits) {
+        bail!(
+            "--bits {} cannot be packed in the GPTQ format this tool writes: use 2, 4 or 8",
+            opts.bits
+        );
     }
     if opts.seqlen >= cfg.sparse_config.dense_len {
         bail!(
@@ -351,6 +354,8 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     } else {
         OutputDir::create(&opts.out, opts.force)?
     };
+    // A resumed run never deletes the partial folder it was given, even when it refuses it.
+    out.keep_on_failure(opts.resume);
     let jdir = out.path().join("journal");
     let mut journal = if opts.resume {
         let j = Journal::load(&jdir)?;
@@ -577,7 +582,7 @@ fn run_layers(
                     dead_columns: q.dead_columns,
                     seconds: t.elapsed().as_secs_f64(),
                 };
-                pb.println(row.line());
+                crate::cli::progress::println(&pb, row.line());
                 rows.push(row);
                 packed.push((full, p));
             }
@@ -609,7 +614,9 @@ fn quantization_config(
 ) -> serde_json::Value {
     let mut dynamic = serde_json::Map::new();
     for r in &opts.skip {
-        dynamic.insert(format!("-:{r}"), serde_json::json!({}));
+        // Engines apply rules with Python's re.match (anchored at the start of the module
+        // name), while --skip searches anywhere in it; `.*(?:…)` gives the same matches.
+        dynamic.insert(format!("-:.*(?:{r})"), serde_json::json!({}));
     }
     let damps: Vec<f64> = journal
         .layers

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# CI artifacts job: regenerates the artifacts from scratch on the repo's small model and checks
+# them. Fails when inspect fails, when two identical quantize runs give different manifests,
+# or (on the trained fixture) when the quality gate fails. Prints a summary table.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${BIN:-target/debug/soar-gptq}
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+CAL="--nsamples ${NSAMPLES:-32} --seqlen ${SEQLEN:-512}"
+
+if [ -f examples/tiny-sala/config.json ]; then
+  MODEL=examples/tiny-sala
+else
+  # Until the trained fixture lands, a synthetic model of the same structure.
+  "$BIN" synth --preset tiny --out "$WORK/tiny" --seed 0
+  MODEL="$WORK/tiny"
+fi
+
+step() { echo "== $*" >&2; }
+step "quantize GPTQ (twice, for determinism)"
+"$BIN" quantize --model "$MODEL" --out "$WORK/gptq" $CAL > "$WORK/gptq.txt"
+"$BIN" quantize --model "$MODEL" --out "$WORK/gptq2" $CAL > /dev/null
+cmp "$WORK/gptq/manifest.json" "$WORK/gptq2/manifest.json" \
+  || { echo "FAIL: two identical quantize runs gave different manifests" >&2; exit 1; }
+step "quantize RTN"
+"$BIN" quantize --model "$MODEL" --out "$WORK/rtn" --method rtn $CAL > /dev/null
+step "pack-marlin"
+"$BIN" pack-marlin --in "$WORK/gptq" --out "$WORK/marlin" > /dev/null
+step "inspect"
+"$BIN" inspect "$WORK/gptq" > "$WORK/inspect-gptq.txt"
+"$BIN" inspect "$WORK/marlin" > "$WORK/inspect-marlin.txt"
+grep -q "SGLang         selects gptq_marlin" "$WORK/inspect-gptq.txt" \
+  || { echo "FAIL: SGLang would not select gptq_marlin:" >&2; cat "$WORK/inspect-gptq.txt" >&2; exit 1; }
+step "eval-ppl comparison"
+"$BIN" eval-ppl --model "$MODEL" --compare "$WORK/gptq" --compare "$WORK/marlin" --compare "$WORK/rtn" \
+  --data default --seqlen 256 --max-windows 16 --json > "$WORK/compare.json"
+python3 - "$WORK/compare.json" "$MODEL" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+ref = c["reference"]["ppl"]
+rows = {m["model"].rsplit("/", 1)[-1]: m for m in c["compared"]}
+print(f"{'model':<10} {'ppl':>12} {'Δppl':>10} {'mean KL':>10} {'top-1':>8}")
+print(f"{'bf16':<10} {ref:>12.4f}")
+for name in ["gptq", "marlin", "rtn"]:
+    m = rows[name]
+    print(f"{name:<10} {m['ppl']:>12.4f} {m['delta_ppl']:>+10.4f} {m['mean_kl']:>10.5f} {100*m['top1_agreement']:>7.2f}%")
+if rows["gptq"]["ppl"] != rows["marlin"]["ppl"]:
+    sys.exit("FAIL: GPTQ and Marlin folders of one quantization give different perplexity")
+if sys.argv[2] == "examples/tiny-sala":
+    gain, rtn = rows["gptq"]["delta_ppl"], rows["rtn"]["delta_ppl"]
+    if not gain <= 0.7 * rtn:
+        sys.exit(f"FAIL: quality gate: GPTQ's ppl increase {gain:.4f} exceeds 70% of RTN's {rtn:.4f}")
+    print("quality gate: ok (GPTQ increase ≤ 70% of RTN's)")
+PY
+echo "artifacts: ok" >&2

@@ -4,8 +4,13 @@
 //!
 //! ```text
 //! cargo run --release --example train_tiny_sala -- --out /tmp/tiny-sala-train \
-//!     --steps 600 --seqlen 256 --batch 16 --lr 3e-3 --seed 0 --time-budget-secs 1500
+//!     --steps 2000 --seqlen 256 --batch 8 --lr 3e-3 --warmup 20 --seed 0 --workers 1 \
+//!     --eval-every 25 --eval-windows 32 --time-budget-secs 1500
 //! ```
+//!
+//! (the command that made the fixture; see `examples/tiny-sala/README.md`). The output folder
+//! holds the model files and `train_report.json` (the loss curve, and the `--steps` /
+//! `--decay-steps` that reproduce a run that the time budget shortened).
 //!
 //! The forward pass is the crate's own ([`Model`] and [`DecoderLayer`] built from `Var`s, with the
 //! composed softmax so that it has a backward), so the fixture is trained with exactly the

@@ -402,3 +402,25 @@ fn hub_repo_ids_resolve_from_an_offline_cache() {
         .unwrap();
     assert_fails(&o, 1, "only partly in the cache");
 }
+
+/// The shipped fixture is a trained model: valid, and far better than a uniform guess over its
+/// 4,096-token vocabulary on held-out text.
+#[test]
+fn the_shipped_fixture_is_trained() {
+    let m = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/tiny-sala");
+    assert_ok(&run(&["inspect", m]));
+    let o = run(&[
+        "eval-ppl",
+        "--model",
+        m,
+        "--seqlen",
+        "256",
+        "--max-windows",
+        "8",
+        "--json",
+    ]);
+    assert_ok(&o);
+    let r: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let ppl = r["ppl"].as_f64().unwrap();
+    assert!(ppl > 20.0 && ppl < 400.0, "fixture held-out ppl {ppl}");
+}

@@ -297,10 +297,20 @@ impl DecoderLayer {
         h: &Tensor,
         capture: &mut dyn FnMut(LinearGroup, &Tensor) -> Result<()>,
     ) -> Result<Tensor> {
-        let c = &self.cfg;
         let (b, t, hid) = h.dims3()?;
-        let x = rms_norm(h, &self.input_norm, c.eps)?;
+        let x = rms_norm(h, &self.input_norm, self.cfg.eps)?;
         capture(LinearGroup::Qkv, &x.reshape((b * t, hid))?)?;
+        let attn = self.mixer_output(h)?;
+        self.forward_from_mixer(h, &attn, capture)
+    }
+
+    /// The mixer's gated output `[B, T, heads·d]` (the input of o_proj). It depends only on
+    /// the q/k/v/gate weights, so the quantizer computes it once per layer, after those are
+    /// quantized, instead of once per later subset.
+    pub fn mixer_output(&self, h: &Tensor) -> Result<Tensor> {
+        let c = &self.cfg;
+        let (b, t, _) = h.dims3()?;
+        let x = rms_norm(h, &self.input_norm, c.eps)?;
         let attn = match &self.mixer {
             Mixer::Sparse { q, k, v, gate, .. } => {
                 let heads = |lin: &Linear, n: usize| -> candle_core::Result<Tensor> {
@@ -381,12 +391,25 @@ impl DecoderLayer {
                 }
             }
         };
+        Ok(attn)
+    }
+
+    /// The rest of the layer from the mixer output: o_proj, residual, MLP. `capture` sees the
+    /// inputs of the `o`, `gate_up` and `down` groups.
+    pub fn forward_from_mixer(
+        &self,
+        h: &Tensor,
+        attn: &Tensor,
+        capture: &mut dyn FnMut(LinearGroup, &Tensor) -> Result<()>,
+    ) -> Result<Tensor> {
+        let c = &self.cfg;
+        let (b, t, hid) = h.dims3()?;
         let o_in = attn.reshape((b * t, ()))?;
         capture(LinearGroup::O, &o_in)?;
         let o_proj = match &self.mixer {
             Mixer::Sparse { o, .. } | Mixer::Lightning { o, .. } => o,
         };
-        let h = (h + (o_proj.forward(&attn)? * c.residual)?)?;
+        let h = (h + (o_proj.forward(attn)? * c.residual)?)?;
         let m = rms_norm(&h, &self.post_norm, c.eps)?;
         capture(LinearGroup::GateUp, &m.reshape((b * t, hid))?)?;
         let act =

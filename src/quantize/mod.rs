@@ -230,16 +230,19 @@ fn relative_output_error(w: &Tensor, q: &Tensor, h: &Tensor) -> Result<f64> {
 }
 
 /// Runs `layer` over all hidden-state batches, feeding the inputs of `groups` to their
-/// accumulators and stopping each forward after the last wanted group.
+/// accumulators and stopping each forward after the last wanted group. With `mixer` (the
+/// mixer outputs per batch, computed after q/k/v/gate were quantized), the forward starts from
+/// them instead of recomputing attention.
 fn accumulate(
     layer: &DecoderLayer,
     states: &[Tensor],
+    mixer: Option<&[Tensor]>,
     groups: &[LinearGroup],
     acc: &mut BTreeMap<LinearGroup, HessianAccumulator>,
 ) -> Result<()> {
     let last = *groups.iter().max().expect("at least one group");
-    for h in states {
-        let r = layer.forward(h, &mut |g, x| {
+    for (bi, h) in states.iter().enumerate() {
+        let mut capture = |g: LinearGroup, x: &Tensor| -> Result<()> {
             if groups.contains(&g) {
                 acc.get_mut(&g)
                     .expect("accumulator per group")
@@ -249,7 +252,11 @@ fn accumulate(
                 return Err(StopForward.into());
             }
             Ok(())
-        });
+        };
+        let r = match mixer {
+            Some(m) => layer.forward_from_mixer(h, &m[bi], &mut capture),
+            None => layer.forward(h, &mut capture),
+        };
         match r {
             Ok(_) => {}
             Err(e) if e.downcast_ref::<StopForward>().is_some() => {}
@@ -496,6 +503,7 @@ fn run_layers(
         };
         let mut rows = vec![];
         let mut packed: Vec<(String, Packed)> = vec![];
+        let mut mixer: Option<Vec<Tensor>> = None;
         for subset in subsets {
             let names: Vec<(&str, LinearGroup)> = layer
                 .linears()
@@ -528,8 +536,18 @@ fn run_layers(
                     .collect::<Vec<_>>()
                     .join("+")
             ));
+            // After the qkv subset, the mixer output is fixed: compute it once per batch.
+            if opts.true_sequential && subset[0] != LinearGroup::Qkv && mixer.is_none() {
+                pb.set_message(format!("layer {i}: attention"));
+                mixer = Some(
+                    states
+                        .iter()
+                        .map(|h| layer.mixer_output(h))
+                        .collect::<Result<Vec<_>>>()?,
+                );
+            }
             if opts.method == Method::Gptq {
-                accumulate(&layer, &states, &subset, &mut acc)?;
+                accumulate(&layer, &states, mixer.as_deref(), &subset, &mut acc)?;
             }
             let mut hessians = BTreeMap::new();
             if opts.method == Method::Gptq {
@@ -588,8 +606,16 @@ fn run_layers(
             }
         }
         pb.set_message(format!("layer {i}: forward"));
-        for h in states.iter_mut() {
-            *h = layer.forward(h, &mut |_, _| Ok(()))?;
+        if mixer.is_none() {
+            mixer = Some(
+                states
+                    .iter()
+                    .map(|h| layer.mixer_output(h))
+                    .collect::<Result<Vec<_>>>()?,
+            );
+        }
+        for (h, m) in states.iter_mut().zip(mixer.take().expect("computed above")) {
+            *h = layer.forward_from_mixer(h, &m, &mut |_, _| Ok(()))?;
         }
         let (file, sha256) = journal::write_layer_file(jdir, i, &packed)?;
         journal.layers.push(JournalLayer {

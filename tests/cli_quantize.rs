@@ -740,3 +740,58 @@ fn bad_inputs_fail_cleanly_without_leaving_an_output() {
     assert!(out.join("quantize_report.json").is_file());
     assert!(!partial_path(&out).exists());
 }
+
+/// `--load-hessians` re-solves without calibrating: with the same settings the weight shards are
+/// byte-identical to the calibrated run that saved the Hessians; other settings work too; a
+/// missing or foreign Hessian is a clear error.
+#[test]
+fn saved_hessians_re_solve_without_calibration() {
+    let fx = Fixture::new(3);
+    let hess = fx.tmp.path().join("hessians");
+    let a = fx.quantized("a", &["--save-hessians", hess.to_str().unwrap()]);
+    let b = fx.quantized("b", &["--load-hessians", hess.to_str().unwrap()]);
+    let shards = |d: &Path| -> Vec<(String, String)> {
+        let m = read_json(&d.join("manifest.json"));
+        m["files"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .filter(|(n, _)| n.ends_with(".safetensors"))
+            .map(|(n, v)| (n.clone(), v["sha256"].as_str().unwrap().to_string()))
+            .collect()
+    };
+    assert!(!shards(&a).is_empty());
+    assert_eq!(shards(&a), shards(&b));
+    let r = read_json(&b.join("quantize_report.json"));
+    assert_eq!(r["settings"]["load_hessians"], hess.to_str().unwrap());
+    // Other settings from the same Hessians.
+    let c = fx.quantized(
+        "c",
+        &[
+            "--load-hessians",
+            hess.to_str().unwrap(),
+            "--group-size",
+            "64",
+            "--act-order",
+            "dynamic",
+        ],
+    );
+    assert_ne!(shards(&a), shards(&c));
+    assert_eq!(
+        read_json(&c.join("config.json"))["quantization_config"]["group_size"],
+        64
+    );
+    // A missing file.
+    std::fs::remove_file(hess.join("layer-00000.qkv.safetensors")).unwrap();
+    let out = fx.tmp.path().join("d");
+    let o = run(&[
+        "quantize",
+        "--model",
+        fx.model.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--load-hessians",
+        hess.to_str().unwrap(),
+    ]);
+    assert_fails_clean(&o, &out, "layer-00000.qkv.safetensors is missing");
+}

@@ -132,6 +132,9 @@ pub struct QuantizeArgs {
     /// Save every Hessian (safetensors) into this folder.
     #[arg(long)]
     pub save_hessians: Option<PathBuf>,
+    /// Re-solve from Hessians saved by an earlier --save-hessians run (no calibration forward).
+    #[arg(long, conflicts_with = "save_hessians")]
+    pub load_hessians: Option<PathBuf>,
     /// Continue an interrupted run from its last finished layer.
     #[arg(long)]
     pub resume: bool,
@@ -303,6 +306,7 @@ fn run(cli: Cli) -> Result<()> {
                 true_sequential: !a.no_true_sequential,
                 mse: a.mse,
                 save_hessians: a.save_hessians.clone(),
+                load_hessians: a.load_hessians.clone(),
                 resume: a.resume,
                 force: a.force,
                 method: match a.method {

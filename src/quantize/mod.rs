@@ -53,6 +53,8 @@ pub struct QuantizeOptions {
     pub true_sequential: bool,
     pub mse: bool,
     pub save_hessians: Option<PathBuf>,
+    /// Solve with Hessians saved by an earlier `--save-hessians` run instead of calibrating.
+    pub load_hessians: Option<PathBuf>,
     pub resume: bool,
     pub force: bool,
     pub method: Method,
@@ -91,6 +93,8 @@ pub struct Settings {
     pub calib: Vec<String>,
     pub dtype: String,
     pub device_kind: &'static str,
+    /// Hessians loaded from this folder instead of calibrating (`--load-hessians`).
+    pub load_hessians: Option<String>,
 }
 
 pub fn act_order_name(a: ActOrder) -> &'static str {
@@ -266,6 +270,37 @@ fn accumulate(
     Ok(())
 }
 
+/// The Hessian of group `g` of layer `i` as saved by `--save-hessians`, checked against the
+/// modules and width this run expects.
+fn load_saved_hessian(
+    dir: &Path,
+    i: usize,
+    g: LinearGroup,
+    want: &HessianAccumulator,
+    device: &Device,
+) -> Result<HessianAccumulator> {
+    let path = dir.join(format!("layer-{i:05}.{}.safetensors", g.name()));
+    if !path.is_file() {
+        bail!(
+            "--load-hessians {}: {} is missing; save Hessians with --save-hessians from a run over the same model",
+            dir.display(),
+            path.display()
+        );
+    }
+    let a = HessianAccumulator::load(&path, device)?;
+    if a.k() != want.k() || a.module_names() != want.module_names() {
+        bail!(
+            "--load-hessians: {} serves {:?} with K = {}, but this run needs {:?} with K = {}: it was saved from another model",
+            path.display(),
+            a.module_names(),
+            a.k(),
+            want.module_names(),
+            want.k()
+        );
+    }
+    Ok(a)
+}
+
 pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     let t0 = Instant::now();
     let src = crate::source::resolve(&opts.model, opts.revision.as_deref())?;
@@ -296,6 +331,9 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
             opts.seqlen,
             cfg.sparse_config.dense_len
         );
+    }
+    if opts.load_hessians.is_some() && opts.method == Method::Rtn {
+        bail!("--load-hessians has no effect with --method rtn, which uses no Hessians");
     }
     let skips = compile_skips(&opts.skip)?;
     let plan = plan_modules(&cfg, &skips, &opts.skip)?;
@@ -339,6 +377,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
             .collect(),
         dtype: format!("{:?}", opts.dtype).to_lowercase(),
         device_kind: if opts.device.is_cpu() { "cpu" } else { "cuda" },
+        load_hessians: opts.load_hessians.as_ref().map(|p| p.display().to_string()),
     };
 
     // Calibration.
@@ -464,7 +503,9 @@ fn run_layers(
     let model = Model::load(ck, cfg, opts.dtype, &opts.device).context("loading the embedding")?;
     let seqlen = windows[0].len();
     let mut states = vec![];
-    for b in windows.chunks(opts.batch.max(1)) {
+    // With saved Hessians no forward runs at all: each Linear is solved from its file.
+    let calibrate = opts.load_hessians.is_none();
+    for b in windows.chunks(opts.batch.max(1)).filter(|_| calibrate) {
         let flat: Vec<u32> = b.iter().flatten().copied().collect();
         states.push(model.embed(&Tensor::from_vec(flat, (b.len(), seqlen), &opts.device)?)?);
     }
@@ -547,7 +588,14 @@ fn run_layers(
                 );
             }
             if opts.method == Method::Gptq {
-                accumulate(&layer, &states, mixer.as_deref(), &subset, &mut acc)?;
+                match &opts.load_hessians {
+                    Some(dir) => {
+                        for (g, a) in acc.iter_mut() {
+                            *a = load_saved_hessian(dir, i, *g, a, &opts.device)?;
+                        }
+                    }
+                    None => accumulate(&layer, &states, mixer.as_deref(), &subset, &mut acc)?,
+                }
             }
             let mut hessians = BTreeMap::new();
             if opts.method == Method::Gptq {

@@ -4,7 +4,9 @@
 # or (on the trained fixture) when the quality gate fails. Prints a summary table.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BIN=${BIN:-target/debug/soar-gptq}
+# The binary the tests built (dev profile), wherever cargo puts its target folder.
+cargo build --locked --quiet
+BIN=${BIN:-${CARGO_TARGET_DIR:-target}/debug/soar-gptq}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 CAL="--nsamples ${NSAMPLES:-32} --seqlen ${SEQLEN:-512}"

@@ -13,5 +13,6 @@ pub mod gptq;
 pub mod inspect;
 pub mod model;
 pub mod quantize;
+pub mod rng;
 pub mod source;
 pub mod synth;

@@ -6,6 +6,7 @@
 use crate::checkpoint::writer::{self, OutputDir, TensorSpec};
 use crate::checkpoint::Dtype;
 use crate::model::Config;
+use crate::rng::SplitMix64;
 use anyhow::{bail, Context, Result};
 use rayon::prelude::*;
 use std::path::{Path, PathBuf};
@@ -23,23 +24,6 @@ pub struct SynthOptions {
 }
 
 const CHUNK: usize = 1 << 20;
-
-/// SplitMix64: a tiny, fast, well-mixed generator; one stream per (tensor, chunk) so the values
-/// do not depend on thread scheduling.
-struct SplitMix(u64);
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E3779B97F4A7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-1, 1).
-    fn uniform(&mut self) -> f32 {
-        ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
 
 fn fnv1a(s: &str) -> u64 {
     s.bytes().fold(0xcbf29ce484222325u64, |h, b| {
@@ -95,8 +79,9 @@ pub fn synth(cfg: &Config, opts: &SynthOptions) -> Result<PathBuf> {
             let bufs: Vec<Vec<u8>> = window
                 .par_iter()
                 .map(|&c| {
-                    let mut rng =
-                        SplitMix(base.wrapping_add((c as u64).wrapping_mul(0xD1B54A32D192ED03)));
+                    let mut rng = SplitMix64::new(
+                        base.wrapping_add((c as u64).wrapping_mul(0xD1B54A32D192ED03)),
+                    );
                     let len = CHUNK.min(n - c * CHUNK);
                     let mut b = Vec::with_capacity(len * 2);
                     for _ in 0..len {

@@ -3,6 +3,7 @@
 //! `seqlen` tokens drawn with a seed. Chat messages are rendered with the model's own
 //! `chat_template` through minijinja.
 
+use crate::rng::SplitMix64;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
@@ -292,21 +293,6 @@ pub struct CalibSet {
     pub sha256: String,
 }
 
-/// SplitMix64, for window positions.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E3779B97F4A7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
 /// Splits `n` windows over sources by weight (largest remainders, ties to the earlier source).
 fn allocate(n: usize, weights: &[f64]) -> Vec<usize> {
     let total: f64 = weights.iter().sum();
@@ -346,7 +332,7 @@ pub fn build_windows(
         nsamples,
         &sources.iter().map(|s| s.weight).collect::<Vec<_>>(),
     );
-    let mut rng = Rng(seed ^ 0x5EED_CA11);
+    let mut rng = SplitMix64::new(seed ^ 0x5EED_CA11);
     let mut windows = vec![];
     let mut usage = vec![];
     for (src, &n) in sources.iter().zip(&alloc) {

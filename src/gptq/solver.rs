@@ -163,6 +163,8 @@ pub fn rtn_quantize(w: &Tensor, opts: &SolveOptions) -> Result<QuantizedLinear> 
             }
             loss
         })
+        .collect::<Vec<f64>>()
+        .iter()
         .sum();
     Ok(QuantizedLinear {
         n,
@@ -313,6 +315,10 @@ fn solve(
                 }
                 loss
             })
+            // Summed in row order, not by rayon's adaptive split: the loss must not depend on
+            // how the rows were scheduled.
+            .collect::<Vec<f64>>()
+            .iter()
             .sum::<f64>();
         if i2 < k {
             // W[:, i2:] -= Err1 @ U[i1:i2, i2:]
@@ -628,6 +634,33 @@ mod tests {
                 assert_eq!(gptq.zeros, rtn.zeros, "{mode:?} g{group}");
                 assert_eq!(gptq.g_idx, rtn.g_idx, "{mode:?} g{group}");
                 assert_eq!(gptq.damp_used, 0.01);
+            }
+        }
+    }
+
+    /// The report's loss must be bit-identical however rayon splits the rows (a resumed run, a
+    /// busier machine or another core count must not change `quantize_report.json`).
+    #[test]
+    fn loss_and_codes_do_not_depend_on_the_thread_count() {
+        let (tokens, n, k) = (512, 192, 256);
+        let x = correlated_inputs(tokens, k, 11);
+        let h = hessian_of(&x);
+        let w = tensor(Rng(12).gaussians(n * k), n, k);
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                let g = gptq_quantize(&w, &h, &opts(ActOrder::Static, 128)).unwrap();
+                let r = rtn_quantize(&w, &opts(ActOrder::Off, 128)).unwrap();
+                (g.loss.to_bits(), g.codes, r.loss.to_bits())
+            })
+        };
+        let one = run(1);
+        for threads in [2, 3, 7] {
+            for _ in 0..3 {
+                assert!(run(threads) == one, "{threads} threads changed the result");
             }
         }
     }

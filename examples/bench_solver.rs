@@ -1,17 +1,28 @@
-//! Benchmark of the CPU GPTQ solver on MiniCPM-SALA Linear shapes (a benchmark, not a test: it prints
+//! Benchmark of the GPTQ solver on MiniCPM-SALA Linear shapes (a benchmark, not a test: it prints
 //! figures and asserts nothing about time).
 //!
 //! ```text
-//! cargo run --release --example bench_solver -- [--shapes 4096x4096,16384x4096,4096x16384] [--tokens 2048]
+//! cargo run --release --example bench_solver -- [--shapes 4096x4096,16384x4096,4096x16384]
+//!     [--tokens 2048] [--devices cpu,cuda] [--repeat 5] [--save DIR] [--hessian-tokens 65536]
 //! ```
-//! Shapes are `N_outxK_in`. For each shape it builds seeded correlated inputs (independent noise plus
-//! shared low-rank factors, features of unequal energy), accumulates their Hessian and solves a
-//! random W, printing seconds for the Hessian, the factorization and the column loop, and the loss.
+//! Shapes are `N_outxK_in`. For each shape it builds seeded correlated inputs (independent noise
+//! plus shared low-rank factors, features of unequal energy), accumulates their Hessian (f32, on
+//! the CPU) and solves one seeded random W with the same H on every device listed, printing the
+//! median seconds of the whole solve, its factorization and column-loop parts, and the loss.
+//! GPU solves are timed after one warm-up solve; each solve ends with the codes copied back to
+//! the host, so host timers see finished device work.
+//!
+//! `--save DIR` writes each shape's W and H (`w`, `h` f32 and the settings as metadata) for
+//! `examples/bench/gptq_eager.py`, the eager PyTorch baseline run on the same inputs.
+//! `--hessian-tokens T` (CUDA builds) also times the tensor-core XᵀX of T random BF16 tokens
+//! per shape's K and prints its TFLOP/s.
 
+use std::collections::HashMap;
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use soar_gptq::gptq::{gptq_quantize, ActOrder, HessianAccumulator, QuantParams, SolveOptions};
 
@@ -33,6 +44,18 @@ struct Args {
     group_size: i64,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Devices to solve on: cpu, cuda (CUDA builds), comma-separated.
+    #[arg(long, default_value = "cpu")]
+    devices: String,
+    /// Timed solves per device (median reported); GPU runs add one untimed warm-up.
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
+    /// Write each shape's W and H here for the PyTorch baseline.
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Also time the GPU XᵀX over this many BF16 tokens per K (0: skip).
+    #[arg(long, default_value_t = 0)]
+    hessian_tokens: usize,
 }
 
 /// splitmix64 + Box–Muller: reproducible inputs without an extra dependency.
@@ -66,6 +89,67 @@ fn parse_shape(s: &str) -> Result<(usize, usize)> {
     Ok((n.trim().parse()?, k.trim().parse()?))
 }
 
+fn device(name: &str) -> Result<Device> {
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => {
+            if !cfg!(feature = "cuda") {
+                bail!("--devices cuda needs a build with --features cuda");
+            }
+            Ok(Device::new_cuda(0)?)
+        }
+        other => bail!("unknown device `{other}` (cpu or cuda)"),
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn save(
+    dir: &std::path::Path,
+    n: usize,
+    k: usize,
+    w: &Tensor,
+    h: &Tensor,
+    args: &Args,
+) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let bytes = |t: &Tensor| -> Result<Vec<u8>> {
+        Ok(t.flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect())
+    };
+    let (wb, hb) = (bytes(w)?, bytes(h)?);
+    let meta: HashMap<String, String> = [
+        ("bits", "4".to_string()),
+        ("group_size", args.group_size.to_string()),
+        ("act_order", args.act_order.clone()),
+        ("sym", "true".to_string()),
+        ("damp", "0.01".to_string()),
+        ("block_size", "128".to_string()),
+    ]
+    .into_iter()
+    .map(|(a, b)| (a.to_string(), b))
+    .collect();
+    let views = [
+        (
+            "w",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![n, k], &wb)?,
+        ),
+        (
+            "h",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![k, k], &hb)?,
+        ),
+    ];
+    let path = dir.join(format!("{n}x{k}.safetensors"));
+    safetensors::serialize_to_file(views, Some(meta), &path)?;
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let act_order = match args.act_order.as_str() {
@@ -79,18 +163,24 @@ fn main() -> Result<()> {
         .split(',')
         .map(parse_shape)
         .collect::<Result<_>>()?;
+    let devices: Vec<(String, Device)> = args
+        .devices
+        .split(',')
+        .map(|d| Ok((d.trim().to_string(), device(d.trim())?)))
+        .collect::<Result<_>>()?;
     println!(
-        "threads {}  tokens {}  act-order {}  group {}",
+        "threads {}  tokens {}  act-order {}  group {}  repeat {}",
         rayon::current_num_threads(),
         args.tokens,
         args.act_order,
-        args.group_size
+        args.group_size,
+        args.repeat
     );
     println!(
-        "{:>14} {:>10} {:>10} {:>10} {:>12} {:>8}",
-        "shape NxK", "hessian_s", "factor_s", "loop_s", "loss", "damp"
+        "{:>12} {:>6} {:>10} {:>10} {:>10} {:>14} {:>8}",
+        "shape NxK", "device", "solve_s", "factor_s", "loop_s", "loss", "damp"
     );
-    for (n, k) in shapes {
+    for &(n, k) in &shapes {
         let mut rng = Rng(args.seed ^ ((n as u64) << 32 | k as u64));
         // X = Z·diag(s) + F·B: per-feature noise of unequal energy plus shared latent factors.
         let col_scale: Vec<f32> = (0..k).map(|_| (0.5 * rng.gaussian()).exp()).collect();
@@ -100,15 +190,14 @@ fn main() -> Result<()> {
         let f = rng.tensor(args.tokens, LATENT_RANK, 1.0)?;
         let b = rng.tensor(LATENT_RANK, k, 0.5)?;
         let x = (z + f.matmul(&b)?)?;
-
-        let t = Instant::now();
         let mut acc = HessianAccumulator::new(k, &Device::Cpu)?;
         acc.add_batch(&x, None)?;
         let h = acc.hessian()?;
-        let hessian_s = t.elapsed().as_secs_f64();
         drop(x);
-
         let w = rng.tensor(n, k, 0.02)?;
+        if let Some(dir) = &args.save {
+            save(dir, n, k, &w, &h, &args)?;
+        }
         let opts = SolveOptions {
             quant: QuantParams {
                 group_size: args.group_size,
@@ -118,16 +207,79 @@ fn main() -> Result<()> {
             module: format!("bench.{n}x{k}"),
             ..SolveOptions::default()
         };
-        let q = gptq_quantize(&w, &h, &opts)?;
-        println!(
-            "{:>14} {:>10.3} {:>10.3} {:>10.3} {:>12.4e} {:>8}",
-            format!("{n}x{k}"),
-            hessian_s,
-            q.timings.factor_s,
-            q.timings.loop_s,
-            q.loss,
-            q.damp_used
-        );
+        for (name, dev) in &devices {
+            let (wd, hd) = (w.to_device(dev)?, h.to_device(dev)?);
+            if dev.is_cuda() {
+                gptq_quantize(&wd, &hd, &opts)?;
+            }
+            let (mut total, mut factor, mut lp) = (vec![], vec![], vec![]);
+            let mut last = None;
+            for _ in 0..args.repeat.max(1) {
+                let t = Instant::now();
+                let q = gptq_quantize(&wd, &hd, &opts)?;
+                total.push(t.elapsed().as_secs_f64());
+                factor.push(q.timings.factor_s);
+                lp.push(q.timings.loop_s);
+                last = Some(q);
+            }
+            let q = last.expect("at least one solve");
+            println!(
+                "{:>12} {:>6} {:>10.4} {:>10.4} {:>10.4} {:>14.6e} {:>8}",
+                format!("{n}x{k}"),
+                name,
+                median(total),
+                median(factor),
+                median(lp),
+                q.loss,
+                q.damp_used
+            );
+        }
+    }
+    if args.hessian_tokens > 0 {
+        hessian_rates(&args, &shapes, &devices)?;
+    }
+    Ok(())
+}
+
+/// Times `HessianAccumulator::add_batch` over `--hessian-tokens` random BF16 rows per distinct K
+/// on each GPU device, after a warm-up, and prints the median TFLOP/s (2·T·K² per product).
+fn hessian_rates(
+    args: &Args,
+    shapes: &[(usize, usize)],
+    devices: &[(String, Device)],
+) -> Result<()> {
+    let mut ks: Vec<usize> = shapes.iter().map(|&(_, k)| k).collect();
+    ks.sort_unstable();
+    ks.dedup();
+    println!(
+        "\n{:>8} {:>8} {:>10} {:>10} {:>10}",
+        "K", "device", "tokens", "median_s", "TFLOP/s"
+    );
+    for (name, dev) in devices.iter().filter(|(_, d)| d.is_cuda()) {
+        for &k in &ks {
+            let t = args.hessian_tokens;
+            let x = Tensor::randn(0f32, 1.0, (t, k), dev)?.to_dtype(DType::BF16)?;
+            let mut times = vec![];
+            for rep in 0..4 {
+                let mut acc = HessianAccumulator::new(k, dev)?;
+                dev.synchronize()?;
+                let s = Instant::now();
+                acc.add_batch(&x, None)?;
+                dev.synchronize()?;
+                if rep > 0 {
+                    times.push(s.elapsed().as_secs_f64());
+                }
+            }
+            let m = median(times);
+            println!(
+                "{:>8} {:>8} {:>10} {:>10.5} {:>10.1}",
+                k,
+                name,
+                t,
+                m,
+                2.0 * t as f64 * (k * k) as f64 / m / 1e12
+            );
+        }
     }
     Ok(())
 }

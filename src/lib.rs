@@ -11,6 +11,7 @@ pub mod eval;
 pub mod format;
 pub mod gptq;
 pub mod inspect;
+pub mod kernels;
 pub mod model;
 pub mod quantize;
 pub mod rng;

@@ -230,9 +230,10 @@ impl Checkpoint {
             Dtype::I32 => bail!("tensor {name} is I32, expected a float tensor"),
             Dtype::U8 => DType::U8,
         };
-        let t = Tensor::from_raw_buffer(bytes, src, &e.shape, &Device::Cpu)
+        // Straight from the mapped bytes to the device in the stored dtype, converted there.
+        let t = Tensor::from_raw_buffer(bytes, src, &e.shape, device)
             .with_context(|| format!("cannot load tensor {name}"))?;
-        Ok(t.to_dtype(dtype)?.to_device(device)?)
+        Ok(t.to_dtype(dtype)?)
     }
 
     /// Int32 tensor data (GPTQ qweight, qzeros, g_idx).

@@ -4,6 +4,7 @@
 
 use super::reader::{Dtype, INDEX_FILE};
 use anyhow::{bail, Context, Result};
+use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::io::{BufWriter, Read, Write};
@@ -295,15 +296,17 @@ pub fn compute_manifest(dir: &Path) -> Result<serde_json::Value> {
         .filter(|n| n != MANIFEST_FILE && !UNHASHED_FILES.contains(&n.as_str()))
         .collect();
     names.sort();
-    let mut files = serde_json::Map::new();
-    for n in names {
-        let p = dir.join(&n);
-        let size = std::fs::metadata(&p)?.len();
-        files.insert(
-            n,
-            serde_json::json!({"sha256": sha256_file(&p)?, "size": size}),
-        );
-    }
+    // Files are hashed in parallel (shards are GBs each); the map keeps name order.
+    let hashed: Vec<(String, serde_json::Value)> = names
+        .into_par_iter()
+        .map(|n| -> Result<_> {
+            let p = dir.join(&n);
+            let size = std::fs::metadata(&p)?.len();
+            let entry = serde_json::json!({"sha256": sha256_file(&p)?, "size": size});
+            Ok((n, entry))
+        })
+        .collect::<Result<_>>()?;
+    let files: serde_json::Map<String, serde_json::Value> = hashed.into_iter().collect();
     let unhashed: Vec<&str> = UNHASHED_FILES
         .iter()
         .copied()

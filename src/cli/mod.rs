@@ -89,7 +89,7 @@ pub struct QuantizeArgs {
     /// Output folder (written as <out>.partial, renamed when complete).
     #[arg(long)]
     pub out: PathBuf,
-    /// Bits per weight: 2, 4 or 8.
+    /// Bits per weight: 2, 3, 4 or 8 (Marlin serves 4 and 8; 2 and 3 use the engines' gptq kernel).
     #[arg(long, default_value_t = 4)]
     pub bits: u8,
     /// Columns per quantization group (-1: one group per row).

@@ -9,7 +9,7 @@
 
 use crate::checkpoint::Checkpoint;
 use crate::format::quantized::{
-    dequantize_module, quantized_prefixes, read_quant_info, validate_quantized, QuantInfo,
+    quantized_prefixes, read_module_codes, read_quant_info, validate_quantized, QuantInfo,
 };
 use crate::model::{Config, DecoderLayer, Model};
 use anyhow::{bail, Context, Result};
@@ -79,18 +79,21 @@ impl LoadedModel {
         })
     }
 
-    /// A tensor by its BF16-layout name; a quantized Linear's `.weight` is decoded (on the CPU)
-    /// from its stored codes and scales.
+    /// A tensor by its BF16-layout name; a quantized Linear's `.weight` is decoded from its
+    /// stored codes and scales, on the GPU when `device` is one (bit-identical to the CPU decode).
     pub fn tensor(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
         if let Some((info, prefixes)) = &self.quant {
             if let Some(prefix) = name
                 .strip_suffix(".weight")
                 .filter(|p| prefixes.contains(*p))
             {
-                let (w, n, k) = dequantize_module(&self.ck, info, prefix)?;
-                return Ok(Tensor::from_vec(w, (n, k), &Device::Cpu)?
-                    .to_dtype(dtype)?
-                    .to_device(device)?);
+                let (codes, n, k) = read_module_codes(&self.ck, info, prefix)?;
+                return Ok(codes
+                    .dequantize_tensor(n, k, device)
+                    .with_context(|| {
+                        format!("dequantizing module {prefix} of {}", self.dir.display())
+                    })?
+                    .to_dtype(dtype)?);
             }
         }
         self.ck.tensor(name, dtype, device)

@@ -9,27 +9,83 @@ use anyhow::{bail, ensure, Context, Result};
 use half::f16;
 use rayon::prelude::*;
 
-/// How many `bits`-wide codes one 32-bit word holds; refuses widths GPTQ packs differently.
-fn codes_per_word(bits: u8) -> Result<usize> {
+/// GPTQ packs `bits`-wide fields LSB-first into a little-endian bit stream of 32-bit words, one
+/// stream per block of `vals` values taking `words` words: 2/4/8 bits fill one word exactly
+/// (`vals = 32/bits`); 3 bits fill three words with 32 values, fields 10 and 21 straddling a word
+/// boundary (AutoGPTQ's "10|1|10|1|10" layout, which is exactly this bit stream).
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    bits: usize,
+    /// Values per block.
+    vals: usize,
+    /// Words per block.
+    words: usize,
+}
+
+fn layout(bits: u8) -> Result<Layout> {
     match bits {
-        2 | 4 | 8 => Ok(32 / bits as usize),
-        // 3-bit GPTQ spreads 32 codes over 3 words with codes straddling word boundaries.
-        3 => bail!("3-bit GPTQ packing is not supported (use 2, 4 or 8 bits)"),
-        _ => bail!("GPTQ packing supports 2, 4 or 8 bits, got {bits}"),
+        2 | 4 | 8 => Ok(Layout {
+            bits: bits as usize,
+            vals: 32 / bits as usize,
+            words: 1,
+        }),
+        3 => Ok(Layout {
+            bits: 3,
+            vals: 32,
+            words: 3,
+        }),
+        _ => bail!("GPTQ packing supports 2, 3, 4 or 8 bits, got {bits}"),
     }
+}
+
+impl Layout {
+    /// ORs field `i` of a block (value `v`, already masked) into the block's words.
+    fn put(&self, block: &mut [u32], i: usize, v: u32) {
+        let bit = self.bits * i;
+        let (w, shift) = (bit / 32, bit % 32);
+        block[w] |= v << shift;
+        if shift + self.bits > 32 {
+            block[w + 1] |= v >> (32 - shift);
+        }
+    }
+
+    /// Field `i` of a block.
+    fn get(&self, block: &[u32], i: usize) -> u32 {
+        let bit = self.bits * i;
+        let (w, shift) = (bit / 32, bit % 32);
+        let mut v = block[w] >> shift;
+        if shift + self.bits > 32 {
+            v |= block[w + 1] << (32 - shift);
+        }
+        v & max_code(self.bits as u8)
+    }
+
+    /// Words for `len` values (a whole number of blocks).
+    fn packed_len(&self, len: usize) -> usize {
+        len / self.vals * self.words
+    }
+}
+
+/// `(values, words)` of one packing block: how many `bits`-wide fields fill how many 32-bit words
+/// (`(8, 1)` for 4 bits, `(32, 3)` for 3 bits). `qweight` has `K / values · words` rows.
+pub fn block_shape(bits: u8) -> Result<(usize, usize)> {
+    let lay = layout(bits)?;
+    Ok((lay.vals, lay.words))
 }
 
 fn max_code(bits: u8) -> u32 {
     (1u32 << bits) - 1
 }
 
-/// Packs codes `[K, N]` into `qweight` `[K·bits/32, N]`:
-/// `word[r][n] = Σ_i code[r·per + i][n] << (bits·i)` with `per = 32/bits`.
+/// Packs codes `[K, N]` into `qweight` `[K·bits/32, N]`, along K: for 2/4/8 bits
+/// `word[r][n] = Σ_i code[r·per + i][n] << (bits·i)` with `per = 32/bits`; 3 bits use three word
+/// rows per 32 code rows (see [`Layout`]).
 pub fn pack_qweight(codes: &[u8], k: usize, n: usize, bits: u8) -> Result<Vec<i32>> {
-    let per = codes_per_word(bits)?;
+    let lay = layout(bits)?;
     ensure!(
-        k % per == 0,
-        "qweight packing needs K to be a multiple of {per} for {bits}-bit codes, got K = {k}"
+        k % lay.vals == 0,
+        "qweight packing needs K to be a multiple of {} for {bits}-bit codes, got K = {k}",
+        lay.vals
     );
     ensure!(
         codes.len() == k * n,
@@ -46,16 +102,24 @@ pub fn pack_qweight(codes: &[u8], k: usize, n: usize, bits: u8) -> Result<Vec<i3
             pos % n
         );
     }
-    let mut words = vec![0i32; k / per * n];
+    let mut words = vec![0i32; lay.packed_len(k) * n];
     words
-        .par_chunks_mut(n.max(1))
+        .par_chunks_mut((lay.words * n).max(1))
         .enumerate()
-        .for_each(|(r, word_row)| {
-            for (col, word) in word_row.iter_mut().enumerate() {
-                let packed = (0..per).fold(0u32, |acc, i| {
-                    acc | (u32::from(codes[(r * per + i) * n + col]) << (bits as usize * i))
-                });
-                *word = packed as i32;
+        .for_each(|(b, word_rows)| {
+            let mut block = vec![0u32; lay.words];
+            for col in 0..n {
+                block.fill(0);
+                for i in 0..lay.vals {
+                    lay.put(
+                        &mut block,
+                        i,
+                        u32::from(codes[(b * lay.vals + i) * n + col]),
+                    );
+                }
+                for (w, &v) in block.iter().enumerate() {
+                    word_rows[w * n + col] = v as i32;
+                }
             }
         });
     Ok(words)
@@ -63,26 +127,30 @@ pub fn pack_qweight(codes: &[u8], k: usize, n: usize, bits: u8) -> Result<Vec<i3
 
 /// Inverse of [`pack_qweight`]: `qweight` `[K·bits/32, N]` back to codes `[K, N]`.
 pub fn unpack_qweight(words: &[i32], k: usize, n: usize, bits: u8) -> Result<Vec<u8>> {
-    let per = codes_per_word(bits)?;
+    let lay = layout(bits)?;
     ensure!(
-        k % per == 0,
-        "qweight unpacking needs K to be a multiple of {per} for {bits}-bit codes, got K = {k}"
+        k % lay.vals == 0,
+        "qweight unpacking needs K to be a multiple of {} for {bits}-bit codes, got K = {k}",
+        lay.vals
     );
     ensure!(
-        words.len() == k / per * n,
+        words.len() == lay.packed_len(k) * n,
         "qweight of a [K={k}, N={n}] {bits}-bit matrix must hold {} words, got {}",
-        k / per * n,
+        lay.packed_len(k) * n,
         words.len()
     );
-    let maxq = max_code(bits);
     let mut codes = vec![0u8; k * n];
     codes
-        .par_chunks_mut((per * n).max(1))
-        .zip(words.par_chunks(n.max(1)))
-        .for_each(|(code_rows, word_row)| {
-            for (col, &word) in word_row.iter().enumerate() {
-                for i in 0..per {
-                    code_rows[i * n + col] = ((word as u32 >> (bits as usize * i)) & maxq) as u8;
+        .par_chunks_mut((lay.vals * n).max(1))
+        .zip(words.par_chunks((lay.words * n).max(1)))
+        .for_each(|(code_rows, word_rows)| {
+            let mut block = vec![0u32; lay.words];
+            for col in 0..n {
+                for (w, v) in block.iter_mut().enumerate() {
+                    *v = word_rows[w * n + col] as u32;
+                }
+                for i in 0..lay.vals {
+                    code_rows[i * n + col] = lay.get(&block, i) as u8;
                 }
             }
         });
@@ -96,10 +164,11 @@ pub fn unpack_qweight(words: &[i32], k: usize, n: usize, bits: u8) -> Result<Vec
 /// code as GPTQModel's v2→v1 word subtraction does, because readers would then load different
 /// zeros than the quantizer used. Asymmetric checkpoints with such zeros need `gptq_v2`.
 pub fn pack_qzeros(zeros: &[u8], groups: usize, n: usize, bits: u8, v1: bool) -> Result<Vec<i32>> {
-    let per = codes_per_word(bits)?;
+    let lay = layout(bits)?;
     ensure!(
-        n % per == 0,
-        "qzeros packing needs N to be a multiple of {per} for {bits}-bit zeros, got N = {n}"
+        n % lay.vals == 0,
+        "qzeros packing needs N to be a multiple of {} for {bits}-bit zeros, got N = {n}",
+        lay.vals
     );
     ensure!(
         zeros.len() == groups * n,
@@ -123,12 +192,13 @@ pub fn pack_qzeros(zeros: &[u8], groups: usize, n: usize, bits: u8, v1: bool) ->
     }
     let stored_offset = u32::from(v1);
     let words = zeros
-        .chunks(per)
-        .map(|chunk| {
-            let packed = chunk.iter().enumerate().fold(0u32, |acc, (i, &zero)| {
-                acc | ((u32::from(zero) - stored_offset) << (bits as usize * i))
-            });
-            packed as i32
+        .chunks(lay.vals)
+        .flat_map(|chunk| {
+            let mut block = vec![0u32; lay.words];
+            for (i, &zero) in chunk.iter().enumerate() {
+                lay.put(&mut block, i, u32::from(zero) - stored_offset);
+            }
+            block.into_iter().map(|w| w as i32)
         })
         .collect();
     Ok(words)
@@ -145,24 +215,24 @@ pub fn unpack_qzeros(
     bits: u8,
     v1: bool,
 ) -> Result<Vec<u16>> {
-    let per = codes_per_word(bits)?;
+    let lay = layout(bits)?;
     ensure!(
-        n % per == 0,
-        "qzeros unpacking needs N to be a multiple of {per} for {bits}-bit zeros, got N = {n}"
+        n % lay.vals == 0,
+        "qzeros unpacking needs N to be a multiple of {} for {bits}-bit zeros, got N = {n}",
+        lay.vals
     );
     ensure!(
-        words.len() == groups * n / per,
+        words.len() == lay.packed_len(groups * n),
         "qzeros of [groups={groups}, N={n}] {bits}-bit zeros must hold {} words, got {}",
-        groups * n / per,
+        lay.packed_len(groups * n),
         words.len()
     );
-    let maxq = max_code(bits);
     let stored_offset = u16::from(v1);
     Ok(words
-        .iter()
-        .flat_map(|&word| {
-            (0..per)
-                .map(move |i| ((word as u32 >> (bits as usize * i)) & maxq) as u16 + stored_offset)
+        .chunks(lay.words)
+        .flat_map(|chunk| {
+            let block: Vec<u32> = chunk.iter().map(|&w| w as u32).collect();
+            (0..lay.vals).map(move |i| lay.get(&block, i) as u16 + stored_offset)
         })
         .collect())
 }
@@ -306,6 +376,58 @@ mod tests {
         assert_eq!(words, vec![0xE4E4_E4E4u32 as i32]);
     }
 
+    /// AutoGPTQ's 3-bit layout written out word by word ("10|1|10|1|10"), independently of the
+    /// bit-stream formulation the packer uses.
+    fn reference_3bit_words(c: &[u32]) -> [u32; 3] {
+        let ten = |first: usize, shift: usize| {
+            (0..10).fold(0u32, |acc, j| acc | (c[first + j] << (3 * j + shift)))
+        };
+        [
+            ten(0, 0) | (c[10] << 30),
+            ((c[10] >> 2) & 1) | ten(11, 1) | (c[21] << 31),
+            ((c[21] >> 1) & 3) | ten(22, 2),
+        ]
+    }
+
+    #[test]
+    fn three_bit_fields_straddle_words_as_autogptq_packs_them() {
+        let mut rng = XorShift::new(3);
+        let (k, n) = (64, 5);
+        let codes: Vec<u8> = (0..k * n).map(|_| rng.below(8) as u8).collect();
+        let words = pack_qweight(&codes, k, n, 3).unwrap();
+        assert_eq!(words.len(), 6 * n);
+        for block in 0..2 {
+            for col in 0..n {
+                let c: Vec<u32> = (0..32)
+                    .map(|i| u32::from(codes[(block * 32 + i) * n + col]))
+                    .collect();
+                let expected = reference_3bit_words(&c);
+                for (w, &e) in expected.iter().enumerate() {
+                    assert_eq!(
+                        words[(block * 3 + w) * n + col] as u32,
+                        e,
+                        "{block} {col} {w}"
+                    );
+                }
+            }
+        }
+        // A known answer: all fields 7 set every bit; field 10 alone = 0b101 splits 01|1.
+        assert_eq!(pack_qweight(&[7; 32], 32, 1, 3).unwrap(), vec![-1; 3]);
+        let mut one = [0u8; 32];
+        one[10] = 0b101;
+        assert_eq!(
+            pack_qweight(&one, 32, 1, 3).unwrap(),
+            vec![0x4000_0000, 1, 0]
+        );
+        // qzeros use the same stream along N; sym 3-bit v1 stores 3 in every field.
+        let z = pack_qzeros(&[4; 32], 1, 32, 3, true).unwrap();
+        assert_eq!(
+            z.iter().map(|&w| w as u32).collect::<Vec<_>>(),
+            reference_3bit_words(&[3; 32]).to_vec()
+        );
+        assert_eq!(unpack_qzeros(&z, 1, 32, 3, true).unwrap(), vec![4; 32]);
+    }
+
     #[test]
     fn qweight_rows_beyond_the_first_word_go_to_the_next_word_row() {
         let (k, n) = (16, 3);
@@ -357,8 +479,13 @@ mod tests {
 
     #[test]
     fn refusals_name_the_problem() {
-        let err = pack_qweight(&[0; 32], 32, 1, 3).unwrap_err().to_string();
-        assert!(err.contains("3-bit GPTQ packing is not supported"), "{err}");
+        let err = pack_qweight(&[0; 32], 32, 1, 5).unwrap_err().to_string();
+        assert!(err.contains("supports 2, 3, 4 or 8 bits, got 5"), "{err}");
+        let err = pack_qweight(&[0; 16], 16, 1, 3).unwrap_err().to_string();
+        assert!(
+            err.contains("multiple of 32") && err.contains("K = 16"),
+            "{err}"
+        );
         let err = pack_qweight(&[0; 12], 12, 1, 4).unwrap_err().to_string();
         assert!(
             err.contains("multiple of 8") && err.contains("K = 12"),
@@ -381,7 +508,7 @@ mod tests {
     #[test]
     fn qweight_and_qzeros_round_trip_random_values() {
         let mut rng = XorShift::new(0x5eed);
-        for bits in [2u8, 4, 8] {
+        for bits in [2u8, 3, 4, 8] {
             let maxq = (1u32 << bits) - 1;
             for (k, n) in [(32, 32), (64, 96), (256, 128), (128, 16)] {
                 let codes: Vec<u8> = (0..k * n).map(|_| rng.below(maxq + 1) as u8).collect();
@@ -389,6 +516,11 @@ mod tests {
                 assert_eq!(words.len(), k * bits as usize / 32 * n);
                 assert_eq!(unpack_qweight(&words, k, n, bits).unwrap(), codes);
 
+                if n % block_shape(bits).unwrap().0 != 0 {
+                    let err = pack_qzeros(&vec![1; n], 1, n, bits, false).unwrap_err();
+                    assert!(err.to_string().contains(&format!("N = {n}")), "{err}");
+                    continue;
+                }
                 let groups = k / 16;
                 for v1 in [true, false] {
                     let lowest = u32::from(v1);

@@ -549,20 +549,27 @@ fn check_gptq_module(
     check_dtype(ck, gi, &[Dtype::I32], "I32 (group of each input row)")?;
     check_dtype(ck, sc, &FLOATS, "F16 (or BF16/F32) scales")?;
     let bits = m.bits;
-    ensure!(
-        matches!(bits, 2 | 4 | 8),
-        "{} belongs to a {bits}-bit module: this tool reads 2-, 4- and 8-bit GPTQ packing only \
-         (3-bit packing straddles words)",
-        at(ck, qw)
-    );
-    let per = 32 / bits as usize;
+    let (vals, words) = match super::pack::block_shape(bits) {
+        Ok(shape) => shape,
+        Err(_) => bail!(
+            "{} belongs to a {bits}-bit module: GPTQ packs 2, 3, 4 and 8 bits only",
+            at(ck, qw)
+        ),
+    };
     let qshape = &ck.get(qw).unwrap().shape;
     ensure!(
         qshape.len() == 2,
         "{} has shape {qshape:?}, expected 2 dimensions [K*{bits}/32, N]",
         at(ck, qw)
     );
-    let (k, n) = (qshape[0] * per, qshape[1]);
+    ensure!(
+        qshape[0] % words == 0,
+        "{} has {} rows, not a whole number of {bits}-bit packing blocks ({words} rows hold \
+         {vals} input rows)",
+        at(ck, qw),
+        qshape[0]
+    );
+    let (k, n) = (qshape[0] / words * vals, qshape[1]);
     if let Some((en, ek)) = expect {
         ensure!(
             n == en && k == ek,
@@ -570,7 +577,7 @@ fn check_gptq_module(
              expected qweight [{}, {en}]",
             at(ck, qw),
             expected_weight_note(prefix, expect),
-            ek as f64 / per as f64
+            ek as f64 * bits as f64 / 32.0
         );
     }
     ensure!(k > 0 && n > 0, "{} is empty (shape {qshape:?})", at(ck, qw));
@@ -581,14 +588,14 @@ fn check_gptq_module(
     };
     let groups = k.div_ceil(g);
     ensure!(
-        n % per == 0,
-        "{}: N = {n} is not a multiple of {per}, so qzeros cannot pack {bits}-bit zeros along N",
+        n % vals == 0,
+        "{}: N = {n} is not a multiple of {vals}, so qzeros cannot pack {bits}-bit zeros along N",
         at(ck, qw)
     );
     check_shape(
         ck,
         qz,
-        &[groups, n / per],
+        &[groups, n / vals * words],
         &format!("ceil(K={k} / group {g}) groups x N={n}*{bits}/32"),
     )?;
     check_shape(
@@ -603,13 +610,14 @@ fn check_gptq_module(
     if m.sym {
         let zero = 1u32 << (bits - 1);
         let v1 = info.format == QuantFormat::GptqV1;
-        let stored = zero - u32::from(v1);
-        let word = (0..per).fold(0u32, |acc, i| acc | (stored << (bits as usize * i)));
+        // The words of one packing block of `vals` identical zeros; the stream repeats them.
+        let pattern = super::pack::pack_qzeros(&vec![zero as u8; vals], 1, vals, bits, v1)?;
         let qzeros = ck.i32_data(qz)?;
-        if let Some(pos) = qzeros.iter().position(|&w| w as u32 != word) {
+        if let Some(pos) = (0..qzeros.len()).position(|p| qzeros[p] != pattern[p % words]) {
+            let word = pattern[pos % words] as u32;
             bail!(
                 "{}: word {pos} is 0x{:08x}, but a symmetric {bits}-bit checkpoint with \
-                 checkpoint_format {:?} stores 0x{word:08x} in every word (zero point {zero}{}); \
+                 checkpoint_format {:?} stores 0x{word:08x} there (every zero point is {zero}{}); \
                  the checkpoint_format or sym setting in {} is probably wrong (\"gptq\" stores \
                  zero - 1, \"gptq_v2\" the zero itself)",
                 at(ck, qz),
@@ -904,6 +912,161 @@ pub fn validate_quantized(
     validate_quantized_modules(ck, info, Some(expected_bf16)).map(|_| ())
 }
 
+/// The stored tensors of one quantized module, read and checked, ready to decode.
+pub enum ModuleCodes {
+    Gptq {
+        qweight: Vec<i32>,
+        qzeros: Vec<i32>,
+        /// `[groups, N]`, the stored (fp16) values widened to f32.
+        scales: Vec<f32>,
+        g_idx: Vec<i32>,
+        bits: u8,
+        v1: bool,
+    },
+    Marlin {
+        /// `B` `[K/16, 2N]`.
+        b: Vec<i32>,
+        /// `[groups, N]`, un-permuted.
+        scales: Vec<f32>,
+        /// The original input row of each tile row (`g_idx_sort_indices`, identity without it).
+        src_row: Vec<i32>,
+        group: usize,
+    },
+}
+
+/// Reads and checks the stored tensors of module `prefix`; returns them with `(N, K)`.
+pub fn read_module_codes(
+    ck: &Checkpoint,
+    info: &QuantInfo,
+    prefix: &str,
+) -> Result<(ModuleCodes, usize, usize)> {
+    let m = check_quantized_module(ck, info, prefix, None)
+        .with_context(|| format!("cannot dequantize module {prefix}"))?;
+    let (n, k) = (m.n, m.k);
+    let codes = match info.format {
+        QuantFormat::Marlin => {
+            let s_name = format!("{prefix}.s");
+            let scales = unpermute_scales(&ck.f32_data(&s_name)?, m.groups, n)
+                .with_context(|| format!("un-permuting {}", at(ck, &s_name)))?;
+            let si = format!("{prefix}.{SORT_INDICES_SUFFIX}");
+            let src_row: Vec<i32> = if ck.contains(&si) {
+                ck.i32_data(&si)?
+            } else {
+                (0..k as i32).collect()
+            };
+            ModuleCodes::Marlin {
+                b: ck.i32_data(&format!("{prefix}.B"))?,
+                scales,
+                src_row,
+                group: m.group_len(),
+            }
+        }
+        _ => {
+            let get = |s: &str| ck.i32_data(&format!("{prefix}.{s}"));
+            ModuleCodes::Gptq {
+                qweight: get("qweight")?,
+                qzeros: get("qzeros")?,
+                scales: ck.f32_data(&format!("{prefix}.scales"))?,
+                g_idx: get("g_idx")?,
+                bits: m.bits,
+                v1: info.format == QuantFormat::GptqV1,
+            }
+        }
+    };
+    Ok((codes, n, k))
+}
+
+impl ModuleCodes {
+    /// `W` `[N, K]` row-major f32 (HF layout, `y = x·Wᵀ`), bit-exactly `f32(scale) · (code − zero)`
+    /// (Marlin: zero 8, rows un-sorted), on the CPU.
+    pub fn dequantize(&self, n: usize, k: usize) -> Result<Vec<f32>> {
+        let mut w = vec![0f32; n * k];
+        match self {
+            ModuleCodes::Marlin {
+                b,
+                scales,
+                src_row,
+                group,
+            } => {
+                let codes = unpack_marlin(b, k, n)?;
+                // Row k' of the tiles is original input row src_row[k'], in group k' / g.
+                let mut src_of = vec![0usize; k];
+                for (kp, &row) in src_row.iter().enumerate() {
+                    src_of[row as usize] = kp;
+                }
+                w.par_chunks_mut(k).enumerate().for_each(|(col, out)| {
+                    for (row, v) in out.iter_mut().enumerate() {
+                        let kp = src_of[row];
+                        let code = i32::from(codes[kp * n + col]);
+                        *v = scales[(kp / group) * n + col] * (code - 8) as f32;
+                    }
+                });
+            }
+            ModuleCodes::Gptq {
+                qweight,
+                qzeros,
+                scales,
+                g_idx,
+                bits,
+                v1,
+            } => {
+                let wt = dequantize_gptq(&GptqTensors {
+                    qweight,
+                    qzeros,
+                    scales,
+                    g_idx,
+                    k,
+                    n,
+                    bits: *bits,
+                    v1: *v1,
+                })?;
+                w.par_chunks_mut(k).enumerate().for_each(|(col, out)| {
+                    for (row, v) in out.iter_mut().enumerate() {
+                        *v = wt[row * n + col];
+                    }
+                });
+            }
+        }
+        Ok(w)
+    }
+
+    /// [`dequantize`](Self::dequantize) as an f32 `[N, K]` tensor on `device`: decoded by the
+    /// GPU kernels on a CUDA device (bit-identical, `tests/cuda_twins.rs`), else on the CPU.
+    pub fn dequantize_tensor(
+        &self,
+        n: usize,
+        k: usize,
+        device: &candle_core::Device,
+    ) -> Result<candle_core::Tensor> {
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() {
+            return match self {
+                ModuleCodes::Marlin {
+                    b,
+                    scales,
+                    src_row,
+                    group,
+                } => crate::kernels::cuda::dequant_marlin(device, b, scales, src_row, k, n, *group),
+                ModuleCodes::Gptq {
+                    qweight,
+                    qzeros,
+                    scales,
+                    g_idx,
+                    bits,
+                    v1,
+                } => crate::kernels::cuda::dequant_gptq(
+                    device, qweight, qzeros, scales, g_idx, k, n, *bits, *v1,
+                ),
+            };
+        }
+        Ok(candle_core::Tensor::from_vec(
+            self.dequantize(n, k)?,
+            (n, k),
+            device,
+        )?)
+    }
+}
+
 /// Dequantizes one module to `W` `[N, K]` row-major f32 (HF layout, `y = x·Wᵀ`), bit-exactly
 /// `f32(scale) · (code − zero)` (Marlin: zero 8, rows un-sorted). Returns `(W, N, K)`.
 pub fn dequantize_module(
@@ -911,60 +1074,10 @@ pub fn dequantize_module(
     info: &QuantInfo,
     prefix: &str,
 ) -> Result<(Vec<f32>, usize, usize)> {
-    let m = check_quantized_module(ck, info, prefix, None)
-        .with_context(|| format!("cannot dequantize module {prefix}"))?;
-    let (n, k) = (m.n, m.k);
-    let mut w = vec![0f32; n * k];
-    match info.format {
-        QuantFormat::Marlin => {
-            let b = ck.i32_data(&format!("{prefix}.B"))?;
-            let codes = unpack_marlin(&b, k, n)
-                .with_context(|| format!("unpacking {}", at(ck, &format!("{prefix}.B"))))?;
-            let s_name = format!("{prefix}.s");
-            let scales = unpermute_scales(&ck.f32_data(&s_name)?, m.groups, n)
-                .with_context(|| format!("un-permuting {}", at(ck, &s_name)))?;
-            let si = format!("{prefix}.{SORT_INDICES_SUFFIX}");
-            let sort: Vec<i32> = if ck.contains(&si) {
-                ck.i32_data(&si)?
-            } else {
-                (0..k as i32).collect()
-            };
-            let g = m.group_len();
-            // Row k' of the tiles is original input row sort[k'], in group k' / g.
-            let mut src_of = vec![0usize; k];
-            for (kp, &row) in sort.iter().enumerate() {
-                src_of[row as usize] = kp;
-            }
-            w.par_chunks_mut(k).enumerate().for_each(|(col, out)| {
-                for (row, v) in out.iter_mut().enumerate() {
-                    let kp = src_of[row];
-                    let code = i32::from(codes[kp * n + col]);
-                    *v = scales[(kp / g) * n + col] * (code - 8) as f32;
-                }
-            });
-        }
-        _ => {
-            let get = |s: &str| ck.i32_data(&format!("{prefix}.{s}"));
-            let (qweight, qzeros, g_idx) = (get("qweight")?, get("qzeros")?, get("g_idx")?);
-            let scales = ck.f32_data(&format!("{prefix}.scales"))?;
-            let wt = dequantize_gptq(&GptqTensors {
-                qweight: &qweight,
-                qzeros: &qzeros,
-                scales: &scales,
-                g_idx: &g_idx,
-                k,
-                n,
-                bits: m.bits,
-                v1: info.format == QuantFormat::GptqV1,
-            })
-            .with_context(|| format!("dequantizing {}", at(ck, &format!("{prefix}.qweight"))))?;
-            w.par_chunks_mut(k).enumerate().for_each(|(col, out)| {
-                for (row, v) in out.iter_mut().enumerate() {
-                    *v = wt[row * n + col];
-                }
-            });
-        }
-    }
+    let (codes, n, k) = read_module_codes(ck, info, prefix)?;
+    let w = codes
+        .dequantize(n, k)
+        .with_context(|| format!("dequantizing module {prefix} of {}", ck.dir.display()))?;
     Ok((w, n, k))
 }
 

@@ -97,6 +97,13 @@ impl HessianAccumulator {
         };
         let rows = x.dim(0)?;
         let x = x.to_device(self.xtx.device())?;
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() && matches!(x.dtype(), DType::BF16 | DType::F16) {
+            // Tensor cores with f32 accumulation (design decision 6).
+            self.xtx = crate::kernels::cuda::xtx_add(&self.xtx, &x)?;
+            self.tokens += rows as u64;
+            return Ok(());
+        }
         let mut start = 0;
         while start < rows {
             let len = CHUNK_ROWS.min(rows - start);

@@ -15,6 +15,8 @@ mod solver;
 
 pub use hessian::HessianAccumulator;
 pub use quantizer::{dequantize_code, quantize_code, QuantParams};
+#[cfg(feature = "cuda")]
+pub(crate) use solver::{check_finite, processing_order};
 pub use solver::{
     gptq_quantize, rtn_quantize, ActOrder, QuantizedLinear, SolveOptions, SolveTimings,
 };

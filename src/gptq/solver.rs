@@ -61,7 +61,7 @@ impl Default for SolveOptions {
 }
 
 impl SolveOptions {
-    fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         self.quant.validate()?;
         ensure!(self.block_size > 0, "block size must be positive");
         ensure!(
@@ -134,8 +134,36 @@ impl QuantizedLinear {
 }
 
 /// GPTQ-quantizes `w` (`[N, K]`, any float dtype) with the Hessian `h` (`[K, K]`) of its inputs.
+/// On a CUDA device the whole solve runs there (`kernels::cuda::gptq_solve`); elsewhere on the
+/// CPU. Both follow the same steps; see the module docs.
 pub fn gptq_quantize(w: &Tensor, h: &Tensor, opts: &SolveOptions) -> Result<QuantizedLinear> {
+    #[cfg(feature = "cuda")]
+    if w.device().is_cuda() && h.device().same_device(w.device()) {
+        opts.validate()?;
+        matrix_dims(w, "weight", &opts.module)?;
+        matrix_dims(h, "Hessian", &opts.module)?;
+        return crate::kernels::cuda::gptq_solve(w, h, opts);
+    }
     Ok(solve(w, h, opts)?.0)
+}
+
+/// A.3.5: the processing order (processing position → original column) from diag(H) (dead
+/// columns already set to 1). Act-order sorts by descending diagonal; the sort is stable so
+/// equal diagonals keep their index order.
+pub(crate) fn processing_order(diag: &[f32], act_order: ActOrder) -> Vec<usize> {
+    let mut perm: Vec<usize> = (0..diag.len()).collect();
+    if act_order != ActOrder::Off {
+        perm.sort_by(|&a, &b| diag[b].total_cmp(&diag[a]));
+    }
+    perm
+}
+
+/// Refuses NaN/Inf in W or H with the position of the first one (the message of the CPU solve).
+#[cfg(feature = "cuda")]
+pub(crate) fn check_finite(w: &Tensor, h: &Tensor, opts: &SolveOptions) -> Result<()> {
+    finite_f32(w, "weight", &opts.module)?;
+    finite_f32(h, "Hessian", &opts.module)?;
+    Ok(())
 }
 
 /// Round-to-nearest with the same quantizer and groups in natural order, no error feedback.
@@ -224,11 +252,8 @@ fn solve(
         None => natural_group_params(quant, &w, k),
     };
 
-    // A.3.5: processing order. The sort is stable so equal diagonals keep their index order.
-    let mut perm: Vec<usize> = (0..k).collect();
-    if opts.act_order != ActOrder::Off {
-        perm.sort_by(|&a, &b| h[b * k + b].total_cmp(&h[a * k + a]));
-    }
+    let diag: Vec<f32> = (0..k).map(|i| h[i * k + i]).collect();
+    let perm = processing_order(&diag, opts.act_order);
     let mut invperm = vec![0usize; k];
     for (c, &j) in perm.iter().enumerate() {
         invperm[j] = c;

@@ -73,7 +73,38 @@ pub fn chunked(
     let mut start = 0;
     while start < t {
         let m = chunk.min(t - start);
-        let d = per_head(
+        let (d, q_decay, k_decay, chunk_decay) = chunk_decays(gammas, heads, m, dev)?;
+        let qc = q.narrow(2, start, m)?.contiguous()?;
+        let kc = k.narrow(2, start, m)?.contiguous()?;
+        let vc = v.narrow(2, start, m)?.contiguous()?;
+        let scores = qc.matmul(&kc.t()?.contiguous()?)?.broadcast_mul(&d)?;
+        let intra = scores.matmul(&vc)?;
+        let inter = qc.broadcast_mul(&q_decay)?.matmul(&s)?;
+        outs.push(((intra + inter)? * scale)?);
+        let kv = kc.broadcast_mul(&k_decay)?.t()?.contiguous()?.matmul(&vc)?;
+        s = (s.broadcast_mul(&chunk_decay)? + kv)?;
+        start += m;
+    }
+    Ok((Tensor::cat(&outs, 2)?, s))
+}
+
+/// The decay tensors of one chunk of length `m`: the intra-chunk mask `D[i][j] = γ^{i−j}`
+/// (`j ≤ i`), the query decays `γ^{i+1}`, the key decays `γ^{m−1−j}` and `γ^m`; built once
+/// per (decays, m, device).
+fn chunk_decays(
+    gammas: &[f64],
+    heads: usize,
+    m: usize,
+    dev: &Device,
+) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+    let id: String = gammas
+        .iter()
+        .map(|g| format!("{:x}", g.to_bits()))
+        .collect::<Vec<_>>()
+        .join(",");
+    let key = |what: &str| format!("gla-{what}-{m}-{id}");
+    let d = super::cached_constant(key("d"), dev, || {
+        per_head(
             |h| {
                 let g = gammas[h];
                 (0..m * m)
@@ -90,32 +121,28 @@ pub fn chunked(
             heads,
             &[m, m],
             dev,
-        )?;
-        let q_decay = per_head(
+        )
+    })?;
+    let q_decay = super::cached_constant(key("q"), dev, || {
+        per_head(
             |h| (0..m).map(|i| gammas[h].powi(i as i32 + 1)).collect(),
             heads,
             &[m, 1],
             dev,
-        )?;
-        let k_decay = per_head(
+        )
+    })?;
+    let k_decay = super::cached_constant(key("k"), dev, || {
+        per_head(
             |h| (0..m).map(|j| gammas[h].powi((m - 1 - j) as i32)).collect(),
             heads,
             &[m, 1],
             dev,
-        )?;
-        let chunk_decay = per_head(|h| vec![gammas[h].powi(m as i32)], heads, &[1, 1], dev)?;
-        let qc = q.narrow(2, start, m)?.contiguous()?;
-        let kc = k.narrow(2, start, m)?.contiguous()?;
-        let vc = v.narrow(2, start, m)?.contiguous()?;
-        let scores = qc.matmul(&kc.t()?.contiguous()?)?.broadcast_mul(&d)?;
-        let intra = scores.matmul(&vc)?;
-        let inter = qc.broadcast_mul(&q_decay)?.matmul(&s)?;
-        outs.push(((intra + inter)? * scale)?);
-        let kv = kc.broadcast_mul(&k_decay)?.t()?.contiguous()?.matmul(&vc)?;
-        s = (s.broadcast_mul(&chunk_decay)? + kv)?;
-        start += m;
-    }
-    Ok((Tensor::cat(&outs, 2)?, s))
+        )
+    })?;
+    let chunk_decay = super::cached_constant(key("chunk"), dev, || {
+        per_head(|h| vec![gammas[h].powi(m as i32)], heads, &[1, 1], dev)
+    })?;
+    Ok((d, q_decay, k_decay, chunk_decay))
 }
 
 /// Recurrent form, one token at a time (the decode kernel); a test oracle here.

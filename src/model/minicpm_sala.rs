@@ -74,18 +74,21 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor>
 pub fn rope(x: &Tensor, theta: f64) -> candle_core::Result<Tensor> {
     let (_, t, _, d) = x.dims4()?;
     let half = d / 2;
-    let mut cos = Vec::with_capacity(t * d);
-    let mut sin = Vec::with_capacity(t * d);
-    for p in 0..t {
-        for j in 0..d {
-            let inv_freq = theta.powf(-2.0 * (j % half) as f64 / d as f64);
-            let a = p as f64 * inv_freq;
-            cos.push(a.cos() as f32);
-            sin.push(a.sin() as f32);
+    let table = |f: fn(f64) -> f64| {
+        move || {
+            let mut v = Vec::with_capacity(t * d);
+            for p in 0..t {
+                for j in 0..d {
+                    let inv_freq = theta.powf(-2.0 * (j % half) as f64 / d as f64);
+                    v.push(f(p as f64 * inv_freq) as f32);
+                }
+            }
+            Tensor::from_vec(v, (1, t, 1, d), x.device())
         }
-    }
-    let cos = Tensor::from_vec(cos, (1, t, 1, d), x.device())?;
-    let sin = Tensor::from_vec(sin, (1, t, 1, d), x.device())?;
+    };
+    let key = |name: &str| format!("rope-{name}-{t}-{d}-{}", theta.to_bits());
+    let cos = super::cached_constant(key("cos"), x.device(), table(f64::cos))?;
+    let sin = super::cached_constant(key("sin"), x.device(), table(f64::sin))?;
     let xf = x.to_dtype(DType::F32)?;
     let x1 = xf.narrow(3, 0, half)?;
     let x2 = xf.narrow(3, half, half)?;
@@ -422,16 +425,18 @@ impl DecoderLayer {
 
 /// Additive causal mask `[T, T]`: 0 on and below the diagonal, −inf above.
 fn causal_mask(t: usize, dev: &Device) -> candle_core::Result<Tensor> {
-    let data: Vec<f32> = (0..t * t)
-        .map(|x| {
-            if x % t > x / t {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    Tensor::from_vec(data, (t, t), dev)
+    super::cached_constant(format!("causal-mask-{t}"), dev, || {
+        let data: Vec<f32> = (0..t * t)
+            .map(|x| {
+                if x % t > x / t {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        Tensor::from_vec(data, (t, t), dev)
+    })
 }
 
 /// Embedding, final norm and head; decoder layers are loaded separately (one at a time when

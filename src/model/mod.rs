@@ -5,3 +5,29 @@ pub mod minicpm_sala;
 
 pub use config::{Config, MixerKind};
 pub use minicpm_sala::{DecoderLayer, LinearGroup, Model};
+
+use candle_core::{Device, Tensor};
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+/// Constant tensors of the forward pass (RoPE tables, the causal mask, Simple-GLA decay masks),
+/// built once per shape and device instead of on the host at every call: on a GPU, rebuilding
+/// and uploading them per batch and layer cost seconds per quantize run.
+pub(crate) fn cached_constant(
+    key: String,
+    device: &Device,
+    build: impl FnOnce() -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Tensor> {
+    static CACHE: OnceLock<Mutex<HashMap<String, Tensor>>> = OnceLock::new();
+    let key = format!("{key}@{:?}", device.location());
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(t) = cache.lock().expect("constant cache poisoned").get(&key) {
+        return Ok(t.clone());
+    }
+    let t = build()?;
+    cache
+        .lock()
+        .expect("constant cache poisoned")
+        .insert(key, t.clone());
+    Ok(t)
+}

@@ -10,6 +10,7 @@
 
 mod journal;
 mod report;
+pub mod stages;
 
 use crate::calib::{self, CalibSpec, ChatFormat};
 use crate::checkpoint::writer::{self, OutputDir, TensorSpec, SIDE_FILES};
@@ -21,7 +22,9 @@ use crate::model::Config;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use journal::{Journal, JournalLayer, Packed};
+use rayon::prelude::*;
 pub use report::{ModuleRow, QuantizeReport};
+use stages::{Preflight, StageClock, Stages};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -171,11 +174,11 @@ pub fn peak_rss_bytes() -> Option<u64> {
 fn pack(q: &QuantizedLinear, bits: u8, v1: bool) -> Result<Packed> {
     let (n, k) = (q.n, q.k);
     let mut codes_kn = vec![0u8; k * n];
-    for r in 0..n {
-        for c in 0..k {
-            codes_kn[c * n + r] = q.codes[r * k + c];
+    codes_kn.par_chunks_mut(n).enumerate().for_each(|(c, row)| {
+        for (r, v) in row.iter_mut().enumerate() {
+            *v = q.codes[r * k + c];
         }
-    }
+    });
     let groups = q.n_groups();
     Ok(Packed {
         qweight: format::pack_qweight(&codes_kn, k, n, bits)?,
@@ -197,29 +200,36 @@ fn decode_stored(
     dtype: DType,
     device: &Device,
 ) -> Result<Tensor> {
-    let scales = format::f16_le_bytes_to_f32(&p.scales_f16)?;
-    let wt = format::dequantize_gptq(&format::GptqTensors {
-        qweight: &p.qweight,
-        qzeros: &p.qzeros,
-        scales: &scales,
-        g_idx: &p.g_idx,
-        k,
-        n,
+    let codes = format::ModuleCodes::Gptq {
+        qweight: p.qweight.clone(),
+        qzeros: p.qzeros.clone(),
+        scales: format::f16_le_bytes_to_f32(&p.scales_f16)?,
+        g_idx: p.g_idx.clone(),
         bits,
         v1,
-    })?;
-    Ok(Tensor::from_vec(wt, (k, n), device)?
-        .t()?
-        .contiguous()?
-        .to_dtype(dtype)?)
+    };
+    Ok(codes.dequantize_tensor(n, k, device)?.to_dtype(dtype)?)
 }
 
 /// ||X(W−Q)ᵀ||_F / ||XWᵀ||_F on the calibration tokens, from H ∝ XᵀX: sqrt(tr(D H Dᵀ) / tr(W H Wᵀ)).
+/// A report figure, not part of the output: on a GPU the products run in BF16 with f32
+/// accumulation (N·K² per module would otherwise cost more than the solve).
 fn relative_output_error(w: &Tensor, q: &Tensor, h: &Tensor) -> Result<f64> {
     let w = w.to_dtype(DType::F32)?;
     let d = (&w - q.to_dtype(DType::F32)?)?;
+    let gpu = w.device().is_cuda();
+    let hb = if gpu {
+        h.to_dtype(DType::BF16)?
+    } else {
+        h.clone()
+    };
     let quad = |m: &Tensor| -> Result<f64> {
-        Ok(m.matmul(h)?
+        let mh = if gpu {
+            m.to_dtype(DType::BF16)?.matmul(&hb)?.to_dtype(DType::F32)?
+        } else {
+            m.matmul(h)?
+        };
+        Ok(mh
             .mul(m)?
             .sum_all()?
             .to_dtype(DType::F64)?
@@ -236,21 +246,27 @@ fn relative_output_error(w: &Tensor, q: &Tensor, h: &Tensor) -> Result<f64> {
 /// Runs `layer` over all hidden-state batches, feeding the inputs of `groups` to their
 /// accumulators and stopping each forward after the last wanted group. With `mixer` (the
 /// mixer outputs per batch, computed after q/k/v/gate were quantized), the forward starts from
-/// them instead of recomputing attention.
+/// them instead of recomputing attention. Time up to each capture is charged to the forward,
+/// the accumulation itself to the Hessians.
 fn accumulate(
     layer: &DecoderLayer,
     states: &[Tensor],
     mixer: Option<&[Tensor]>,
     groups: &[LinearGroup],
     acc: &mut BTreeMap<LinearGroup, HessianAccumulator>,
+    clock: &mut StageClock,
+    stages: &mut Stages,
 ) -> Result<()> {
     let last = *groups.iter().max().expect("at least one group");
     for (bi, h) in states.iter().enumerate() {
         let mut capture = |g: LinearGroup, x: &Tensor| -> Result<()> {
             if groups.contains(&g) {
-                acc.get_mut(&g)
-                    .expect("accumulator per group")
-                    .add_batch(x, None)?;
+                stages.forward += clock.lap()?;
+                let a = acc.get_mut(&g).expect("accumulator per group");
+                a.add_batch(x, None)?;
+                let (rows, k) = x.dims2()?;
+                stages.hessian_flops += 2.0 * rows as f64 * (k * k) as f64;
+                stages.hessians += clock.lap()?;
             }
             if g == last {
                 return Err(StopForward.into());
@@ -267,6 +283,7 @@ fn accumulate(
             Err(e) => return Err(e),
         }
     }
+    stages.forward += clock.lap()?;
     Ok(())
 }
 
@@ -319,9 +336,9 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         mse: opts.mse,
     };
     quant.validate().context("invalid quantization settings")?;
-    if ![2, 4, 8].contains(&opts.bits) {
+    if ![2, 3, 4, 8].contains(&opts.bits) {
         bail!(
-            "--bits {} cannot be packed in the GPTQ format this tool writes: use 2, 4 or 8",
+            "--bits {} cannot be packed in the GPTQ format this tool writes: use 2, 3, 4 or 8",
             opts.bits
         );
     }
@@ -337,22 +354,33 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     }
     let skips = compile_skips(&opts.skip)?;
     let plan = plan_modules(&cfg, &skips, &opts.skip)?;
-    if opts.group_size > 0 {
-        for (i, mods) in plan.iter().enumerate() {
-            for (m, skipped) in mods {
-                let shape = &cfg
-                    .layer_tensors(i)
-                    .into_iter()
-                    .find(|(n, _)| n == &format!("{m}.weight"))
-                    .unwrap()
-                    .1;
-                if !skipped && shape[1] % opts.group_size as usize != 0 {
-                    bail!(
-                        "--group-size {} does not divide in_features {} of model.layers.{i}.{m}: use a group size that divides it, or -1",
-                        opts.group_size,
-                        shape[1]
-                    );
-                }
+    // GPTQ packs whole blocks of codes along K (qweight) and of zeros along N (qzeros).
+    let (block, _) = crate::format::pack::block_shape(opts.bits)?;
+    for (i, mods) in plan.iter().enumerate() {
+        for (m, skipped) in mods {
+            if *skipped {
+                continue;
+            }
+            let shape = &cfg
+                .layer_tensors(i)
+                .into_iter()
+                .find(|(n, _)| n == &format!("{m}.weight"))
+                .unwrap()
+                .1;
+            if opts.group_size > 0 && shape[1] % opts.group_size as usize != 0 {
+                bail!(
+                    "--group-size {} does not divide in_features {} of model.layers.{i}.{m}: use a group size that divides it, or -1",
+                    opts.group_size,
+                    shape[1]
+                );
+            }
+            if shape[0] % block != 0 || shape[1] % block != 0 {
+                bail!(
+                    "model.layers.{i}.{m} is [{}, {}]: {}-bit GPTQ packing needs both dimensions to be multiples of {block}; use other --bits or --skip it",
+                    shape[0],
+                    shape[1],
+                    opts.bits
+                );
             }
         }
     }
@@ -417,6 +445,22 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
             .with_context(|| format!("cannot create --save-hessians folder {}", dir.display()))?;
     }
 
+    let preflight = Preflight::estimate(
+        &cfg,
+        calib.windows.len(),
+        opts.seqlen,
+        opts.batch,
+        opts.dtype,
+        &opts.device,
+        opts.true_sequential,
+        opts.method == Method::Gptq,
+    );
+    eprintln!("{}", preflight.line());
+    #[cfg(feature = "cuda")]
+    if opts.device.is_cuda() {
+        crate::kernels::cuda::keep_pool_memory(&opts.device)?;
+    }
+    let mut stages = Stages::default();
     let result = run_layers(
         opts,
         &cfg,
@@ -427,6 +471,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         &quant,
         &jdir,
         &mut journal,
+        &mut stages,
     );
     if let Err(e) = result {
         if !journal.layers.is_empty() {
@@ -470,6 +515,9 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         peak_rss_bytes: None,
         verify: None,
         output: opts.out.display().to_string(),
+        stages: None,
+        preflight: None,
+        gpu_memory: None,
     };
     report.seconds.insert(
         "layers".into(),
@@ -478,6 +526,14 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     report
         .seconds
         .insert("write".into(), t_write.elapsed().as_secs_f64());
+    report.stages = Some(stages);
+    report.preflight = Some(preflight);
+    report.gpu_memory =
+        stages::gpu_memory(&opts.device)?.map(|(used, reserved, now)| report::GpuMemory {
+            pool_peak_used_bytes: used,
+            pool_peak_reserved_bytes: reserved,
+            in_use_at_end_bytes: now,
+        });
     report.total_seconds = t0.elapsed().as_secs_f64();
     report.peak_rss_bytes = peak_rss_bytes();
     writer::write_file(
@@ -499,7 +555,9 @@ fn run_layers(
     quant: &QuantParams,
     jdir: &Path,
     journal: &mut Journal,
+    stages: &mut Stages,
 ) -> Result<()> {
+    let mut clock = StageClock::new(&opts.device);
     let model = Model::load(ck, cfg, opts.dtype, &opts.device).context("loading the embedding")?;
     let seqlen = windows[0].len();
     let mut states = vec![];
@@ -509,6 +567,7 @@ fn run_layers(
         let flat: Vec<u32> = b.iter().flatten().copied().collect();
         states.push(model.embed(&Tensor::from_vec(flat, (b.len(), seqlen), &opts.device)?)?);
     }
+    stages.embed += clock.lap()?;
     let pb = crate::cli::progress::bar(cfg.num_hidden_layers as u64, "quantize");
     // Replay the layers a previous run finished.
     for entry in journal.layers.clone() {
@@ -525,9 +584,11 @@ fn run_layers(
             let (n, k) = lin.weight.dims2()?;
             lin.weight = decode_stored(&p, n, k, opts.bits, v1, opts.dtype, &opts.device)?;
         }
+        stages.load += clock.lap()?;
         for h in states.iter_mut() {
             *h = layer.forward(h, &mut |_, _| Ok(()))?;
         }
+        stages.forward += clock.lap()?;
         pb.inc(1);
     }
     let start = journal.layers.len();
@@ -537,6 +598,7 @@ fn run_layers(
         }
         let t_layer = Instant::now();
         let mut layer = model.load_layer(ck, i)?;
+        stages.load += clock.lap()?;
         let subsets: Vec<Vec<LinearGroup>> = if opts.true_sequential {
             LinearGroup::ALL.iter().map(|g| vec![*g]).collect()
         } else {
@@ -586,6 +648,7 @@ fn run_layers(
                         .map(|h| layer.mixer_output(h))
                         .collect::<Result<Vec<_>>>()?,
                 );
+                stages.forward += clock.lap()?;
             }
             if opts.method == Method::Gptq {
                 match &opts.load_hessians {
@@ -593,8 +656,17 @@ fn run_layers(
                         for (g, a) in acc.iter_mut() {
                             *a = load_saved_hessian(dir, i, *g, a, &opts.device)?;
                         }
+                        stages.hessians += clock.lap()?;
                     }
-                    None => accumulate(&layer, &states, mixer.as_deref(), &subset, &mut acc)?,
+                    None => accumulate(
+                        &layer,
+                        &states,
+                        mixer.as_deref(),
+                        &subset,
+                        &mut acc,
+                        &mut clock,
+                        stages,
+                    )?,
                 }
             }
             let mut hessians = BTreeMap::new();
@@ -605,6 +677,7 @@ fn run_layers(
                     }
                     hessians.insert(*g, a.hessian()?);
                 }
+                stages.hessians += clock.lap()?;
             }
             for (m, g) in names {
                 let full = format!("model.layers.{i}.{m}");
@@ -628,13 +701,18 @@ fn run_layers(
                     Method::Gptq => gptq::gptq_quantize(&w, &hessians[&g], &sopts)?,
                     Method::Rtn => gptq::rtn_quantize(&w, &sopts)?,
                 };
+                let solve_s = clock.lap()?;
+                stages.factorization += q.timings.factor_s;
+                stages.column_loop += (solve_s - q.timings.factor_s).max(0.0);
                 let p = pack(&q, opts.bits, v1).with_context(|| format!("packing {full}"))?;
                 let (n, k) = (q.n, q.k);
                 let deq = decode_stored(&p, n, k, opts.bits, v1, opts.dtype, &opts.device)?;
+                stages.pack += clock.lap()?;
                 let rel = match hessians.get(&g) {
                     Some(h) => Some(relative_output_error(&w, &deq, h)?),
                     None => None,
                 };
+                stages.report += clock.lap()?;
                 lin.weight = deq;
                 let row = ModuleRow {
                     module: full.clone(),
@@ -665,6 +743,7 @@ fn run_layers(
         for (h, m) in states.iter_mut().zip(mixer.take().expect("computed above")) {
             *h = layer.forward_from_mixer(h, &m, &mut |_, _| Ok(()))?;
         }
+        stages.forward += clock.lap()?;
         let (file, sha256) = journal::write_layer_file(jdir, i, &packed)?;
         journal.layers.push(JournalLayer {
             index: i,
@@ -674,6 +753,7 @@ fn run_layers(
             seconds: t_layer.elapsed().as_secs_f64(),
         });
         journal.save(jdir)?;
+        stages.journal += clock.lap()?;
         pb.inc(1);
     }
     pb.finish_and_clear();
@@ -759,7 +839,7 @@ fn assemble(
         let prefix = name.strip_suffix(".weight").unwrap_or(&name);
         if quantized.contains(prefix) {
             let (n, k) = (shape[0], shape[1]);
-            let per = 32 / opts.bits as usize;
+            let (vals, words) = crate::format::pack::block_shape(opts.bits)?;
             let g = if opts.group_size > 0 {
                 k / opts.group_size as usize
             } else {
@@ -768,12 +848,12 @@ fn assemble(
             specs.push(TensorSpec::new(
                 format!("{prefix}.qweight"),
                 Dtype::I32,
-                vec![k / per, n],
+                vec![k / vals * words, n],
             ));
             specs.push(TensorSpec::new(
                 format!("{prefix}.qzeros"),
                 Dtype::I32,
-                vec![g, n / per],
+                vec![g, n / vals * words],
             ));
             specs.push(TensorSpec::new(
                 format!("{prefix}.scales"),

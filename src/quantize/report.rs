@@ -69,6 +69,22 @@ pub struct QuantizeReport {
     pub total_seconds: f64,
     pub peak_rss_bytes: Option<u64>,
     pub verify: Option<serde_json::Value>,
+    /// Seconds per stage and the Hessian FLOPs (all layers).
+    pub stages: Option<super::stages::Stages>,
+    /// The estimate printed before the run.
+    pub preflight: Option<super::stages::Preflight>,
+    /// GPU memory actually used (CUDA runs).
+    pub gpu_memory: Option<GpuMemory>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct GpuMemory {
+    /// High-water mark of live allocations in the stream-ordered pool candle allocates from.
+    pub pool_peak_used_bytes: u64,
+    /// High-water mark of memory the pool held (live + cached for reuse).
+    pub pool_peak_reserved_bytes: u64,
+    /// Everything in use on the device at the end (context, cuBLAS/cuSOLVER workspaces, pool).
+    pub in_use_at_end_bytes: u64,
 }
 
 impl QuantizeReport {
@@ -101,6 +117,32 @@ impl QuantizeReport {
             .map(|u| format!("{} {} tokens", u.name, u.tokens_used))
             .collect();
         println!("calibration: {}", used.join(", "));
+        if let Some(st) = &self.stages {
+            println!(
+                "stages (s): load {:.2}, embed {:.2}, forward {:.2}, Hessians {:.2} ({:.0} TFLOP/s), factorization {:.2}, column loop {:.2}, pack {:.2}, report {:.2}, journal {:.2}, write {:.2}",
+                st.load,
+                st.embed,
+                st.forward,
+                st.hessians,
+                st.hessian_tflops(),
+                st.factorization,
+                st.column_loop,
+                st.pack,
+                st.report,
+                st.journal,
+                self.seconds.get("write").copied().unwrap_or(0.0)
+            );
+        }
+        if let (Some(p), Some(m)) = (&self.preflight, &self.gpu_memory) {
+            println!(
+                "GPU memory: peak {:.1} GB used, {:.1} GB reserved (preflight expected {:.1} GB); time {:.1} s (preflight expected {:.0} s)",
+                m.pool_peak_used_bytes as f64 / 1e9,
+                m.pool_peak_reserved_bytes as f64 / 1e9,
+                p.peak_bytes as f64 / 1e9,
+                self.total_seconds,
+                p.seconds
+            );
+        }
         println!("wrote {}", self.output);
     }
 }

@@ -1,0 +1,36 @@
+//! With the `cuda` feature, compiles `src/kernels/gptq.cu` to PTX with nvcc (the toolchain of
+//! `../shared/cuda/README.md`, or any CUDA 12/13 nvcc on PATH or under CUDA_HOME). The default
+//! build needs no CUDA at all and does nothing here.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=src/kernels/gptq.cu");
+    println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
+        return;
+    }
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("gptq.ptx");
+    let nvcc = match std::env::var_os("CUDA_HOME") {
+        Some(home) => PathBuf::from(home).join("bin").join("nvcc"),
+        None => PathBuf::from("nvcc"),
+    };
+    let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".to_string());
+    let status = Command::new(&nvcc)
+        .args(["--ptx", "-O3", "-std=c++17"])
+        .arg(format!("-arch=compute_{cap}"))
+        .arg("-o")
+        .arg(&out)
+        .arg("src/kernels/gptq.cu")
+        .status()
+        .unwrap_or_else(|e| {
+            panic!(
+                "the cuda feature needs nvcc ({}): {e}; source ../shared/cuda/toolchain.sh or set CUDA_HOME",
+                nvcc.display()
+            )
+        });
+    assert!(status.success(), "nvcc failed on src/kernels/gptq.cu");
+}

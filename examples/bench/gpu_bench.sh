@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# The GPU measurements of docs/benchmarks.md, in one script for the H200 machine.
+#
+# Build here (no GPU needed), with ../shared/cuda/toolchain.sh sourced:
+#   CARGO_TARGET_DIR=target-cuda cargo build --release --features cuda --examples
+#   CARGO_TARGET_DIR=target-cuda cargo test --release --features cuda --no-run
+# then put xz-compressed copies into .gpu/ (git-ignored):
+#   soar-gptq.xz, bench_solver.xz, cuda_twins.xz
+# and run on the GPU machine, carrying .gpu:
+#   bash examples/bench/gpu_bench.sh twins solver small e2e128 e2e256
+#
+# Stages (any order, any subset):
+#   twins   the CUDA kernels against their CPU twins (tests/cuda_twins.rs)
+#   solver  GPTQ solver on the MiniCPM-SALA shapes: our GPU and CPU solvers, and the eager
+#           PyTorch baseline (examples/bench/gptq_eager.py) on the same saved W and H;
+#           tensor-core XᵀX rates
+#   small   the shipped tiny-sala model: GPU vs CPU quantize (codes, perplexity), two GPU
+#           runs (manifests), eval-ppl of GPTQ and Marlin folders on the GPU
+#   e2e128 / e2e256   synth --preset minicpm-sala-9b, then quantize with 128 (256) x 2048
+#           calibration tokens on the GPU: report with per-stage times and GPU memory
+# Logs and reports go to $OUT (default /tmp/gpu-bench).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/gpu-bench}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+G=/tmp/soar-bin
+mkdir -p "$G"
+for f in .gpu/*.xz; do
+  b=$(basename "$f" .xz)
+  [ -x "$G/$b" ] || { xz -dc "$f" > "$G/$b" && chmod +x "$G/$b"; }
+done
+SG=$G/soar-gptq
+log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
+# Wall seconds of a command, on stderr (no /usr/bin/time on every image).
+timed() {
+  local t0=$EPOCHREALTIME
+  "$@"
+  local rc=$?
+  awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "wall %.1f s\n", b - a }' >&2
+  return $rc
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader >> "$OUT/summary.txt" 2>&1
+
+for stage in "$@"; do
+  case "$stage" in
+  twins)
+    log "twins"
+    "$G/cuda_twins" --nocapture --test-threads=1 > "$OUT/twins.log" 2>&1
+    echo "rc $?" >> "$OUT/twins.log"
+    grep -E "^test |test result|GPU vs CPU|differ at|damp used|rc " "$OUT/twins.log" | tee -a "$OUT/summary.txt"
+    ;;
+  solver)
+    log "solver"
+    "$G/bench_solver" --devices cuda,cpu --repeat 3 --save /tmp/wh --hessian-tokens 65536 \
+      2>&1 | tee "$OUT/solver.txt" | tee -a "$OUT/summary.txt"
+    python3 examples/bench/gptq_eager.py /tmp/wh --device cuda --warmup 1 --repeat 3 \
+      2>&1 | tee -a "$OUT/solver.txt" | tee -a "$OUT/summary.txt"
+    ;;
+  small)
+    log "small"
+    M=examples/tiny-sala
+    S=/tmp/small
+    rm -rf $S; mkdir -p $S
+    CAL="--nsamples 32 --seqlen 512"
+    timed "$SG" quantize --model $M --out $S/gpu $CAL --device cuda > $S/gpu.txt 2> $S/gpu.err
+    "$SG" quantize --model $M --out $S/gpu2 $CAL --device cuda > /dev/null 2>&1
+    "$SG" quantize --model $M --out $S/cpu $CAL --device cpu > $S/cpu.txt 2>&1
+    tail -4 $S/gpu.txt | tee -a "$OUT/summary.txt"
+    grep -E "wall|preflight" $S/gpu.err | tee -a "$OUT/summary.txt"
+    if cmp -s $S/gpu/manifest.json $S/gpu2/manifest.json; then
+      echo "two GPU runs: identical manifests" | tee -a "$OUT/summary.txt"
+    else
+      echo "two GPU runs: DIFFERENT manifests" | tee -a "$OUT/summary.txt"
+    fi
+    python3 examples/bench/compare_codes.py $S/gpu $S/cpu | tee -a "$OUT/summary.txt"
+    "$SG" pack-marlin --in $S/gpu --out $S/gpu-marlin > /dev/null
+    "$SG" eval-ppl --model $M --compare $S/gpu --compare $S/gpu-marlin --compare $S/cpu \
+      --data default --seqlen 256 --max-windows 16 --device cuda 2>&1 | tee -a "$OUT/summary.txt"
+    "$SG" eval-ppl --model $M --compare $S/gpu --compare $S/cpu \
+      --data default --seqlen 256 --max-windows 16 --device cpu 2>&1 | tee -a "$OUT/summary.txt"
+    cp $S/gpu/quantize_report.json "$OUT/small_gpu_report.json"
+    ;;
+  e2e128 | e2e256)
+    n=${stage#e2e}
+    log "$stage"
+    B=/tmp/sala9b
+    if [ ! -f $B/config.json ]; then
+      timed "$SG" synth --preset minicpm-sala-9b --out $B 2>&1 | tail -2 | tee -a "$OUT/summary.txt"
+      # The first quantize reads the shards through the page cache either way.
+    fi
+    rm -rf /tmp/q$n /tmp/q$n.partial
+    timed "$SG" quantize --model $B --out /tmp/q$n \
+      --nsamples $n --seqlen 2048 --device cuda > "$OUT/e2e$n.txt" 2> "$OUT/e2e$n.err"
+    echo "rc $?" >> "$OUT/e2e$n.err"
+    grep -E "preflight|rc " "$OUT/e2e$n.err" | tee -a "$OUT/summary.txt"
+    tail -3 "$OUT/e2e$n.err" | tee -a "$OUT/summary.txt"
+    tail -6 "$OUT/e2e$n.txt" | tee -a "$OUT/summary.txt"
+    [ -f /tmp/q$n/quantize_report.json ] && python3 -c "
+import json,sys
+r=json.load(open('/tmp/q$n/quantize_report.json'))
+r['modules']=r['modules'][:8]
+json.dump(r,open('$OUT/e2e${n}_report.json','w'),indent=1)
+"
+    rm -rf /tmp/q$n
+    ;;
+  *)
+    echo "unknown stage $stage" >&2
+    exit 2
+    ;;
+  esac
+done
+log "done"

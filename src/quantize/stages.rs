@@ -1,0 +1,226 @@
+//! Where a quantize run spends its time and memory: a per-stage clock (synchronized with the
+//! device so asynchronous GPU work is charged to the stage that queued it), the GPU memory
+//! high-water mark, and the preflight estimate printed before the run starts.
+
+use crate::model::Config;
+use anyhow::Result;
+use candle_core::{DType, Device};
+use serde::Serialize;
+use std::time::Instant;
+
+/// Seconds per stage, summed over layers.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Stages {
+    /// Decoder-layer weights from the (memory-mapped) checkpoint to the compute device.
+    pub load: f64,
+    /// Embedding load and the embedding of the calibration windows.
+    pub embed: f64,
+    /// Calibration forwards (up to each capture point, the mixers, the final layer pass).
+    pub forward: f64,
+    /// XᵀX accumulation (and saving/loading Hessian files).
+    pub hessians: f64,
+    /// Damped permuted Hessian, Cholesky and triangular inverse (retries included).
+    pub factorization: f64,
+    /// The blocked column loop with its lazy updates, and fetching the codes.
+    pub column_loop: f64,
+    /// Packing the codes and decoding the stored weights back into the layer.
+    pub pack: f64,
+    /// The relative output error of each module (report only).
+    pub report: f64,
+    /// Writing the journal of finished layers.
+    pub journal: f64,
+    /// Floating-point operations of the XᵀX products (2·tokens·K² each).
+    pub hessian_flops: f64,
+}
+
+impl Stages {
+    /// Achieved rate of the Hessian stage in TFLOP/s.
+    pub fn hessian_tflops(&self) -> f64 {
+        if self.hessians > 0.0 {
+            self.hessian_flops / self.hessians / 1e12
+        } else {
+            0.0
+        }
+    }
+}
+
+/// A clock whose laps end when the device has finished what was queued.
+pub struct StageClock {
+    device: Device,
+    t: Instant,
+}
+
+impl StageClock {
+    pub fn new(device: &Device) -> Self {
+        Self {
+            device: device.clone(),
+            t: Instant::now(),
+        }
+    }
+
+    /// Seconds since the previous lap.
+    pub fn lap(&mut self) -> Result<f64> {
+        self.device.synchronize()?;
+        let now = Instant::now();
+        let s = now.duration_since(self.t).as_secs_f64();
+        self.t = now;
+        Ok(s)
+    }
+}
+
+/// What the run is expected to need, computed from the config and settings before any work.
+#[derive(Debug, Clone, Serialize)]
+pub struct Preflight {
+    pub device: String,
+    /// Calibration tokens (windows × seqlen).
+    pub tokens: u64,
+    /// Resident hidden states of all windows, bytes.
+    pub hidden_states_bytes: u64,
+    /// Embedding, final norm and head on the compute device, bytes.
+    pub embed_head_bytes: u64,
+    /// The largest decoder layer's weights in the compute dtype, bytes.
+    pub layer_bytes: u64,
+    /// The largest solve's working set (f32 H, f64 factor, f32 U, f32 W copies), bytes.
+    pub solve_bytes: u64,
+    /// The largest per-batch forward transient (attention scores, MLP activations), bytes.
+    pub forward_bytes: u64,
+    /// Sum of the above: the expected peak on the compute device.
+    pub peak_bytes: u64,
+    /// FLOPs of the calibration forwards (true-sequential re-runs included).
+    pub forward_flops: f64,
+    /// FLOPs of the XᵀX products.
+    pub hessian_flops: f64,
+    /// FLOPs of the factorizations (K³/3 Cholesky + K³/3 triangular inverse per Hessian).
+    pub factor_flops: f64,
+    /// Estimated wall seconds at the nominal rates below.
+    pub seconds: f64,
+    /// The rates the estimate assumes, TFLOP/s: (matmul in the compute dtype, f64).
+    pub assumed_tflops: (f64, f64),
+}
+
+impl Preflight {
+    #[allow(clippy::too_many_arguments)]
+    pub fn estimate(
+        cfg: &Config,
+        windows: usize,
+        seqlen: usize,
+        batch: usize,
+        dtype: DType,
+        device: &Device,
+        true_sequential: bool,
+        gptq: bool,
+    ) -> Self {
+        let e = dtype.size_in_bytes() as u64;
+        let h = cfg.hidden_size as u64;
+        let tokens = (windows * seqlen) as u64;
+        let hidden_states_bytes = tokens * h * e;
+        let vocab = cfg.vocab_size as u64;
+        let embed_head_bytes = 2 * vocab * h * e + h * e;
+        let mut layer_params = 0u64;
+        let mut linear_params = 0f64;
+        let mut ks = vec![];
+        let mut max_solve = 0u64;
+        for i in 0..cfg.num_hidden_layers {
+            let mut p = 0u64;
+            let mut lin = 0f64;
+            for (name, shape) in cfg.layer_tensors(i) {
+                let n: u64 = shape.iter().map(|&d| d as u64).product();
+                p += n;
+                if shape.len() == 2 {
+                    lin += n as f64;
+                    let (rows, k) = (shape[0] as u64, shape[1] as u64);
+                    max_solve = max_solve.max(k * k * (4 + 8 + 4) + 3 * rows * k * 4);
+                    if name.ends_with("q_proj.weight")
+                        || name.ends_with("o_proj.weight")
+                        || name.ends_with("gate_proj.weight")
+                        || name.ends_with("down_proj.weight")
+                    {
+                        ks.push(k as f64);
+                    }
+                }
+            }
+            layer_params = layer_params.max(p);
+            linear_params += lin;
+        }
+        let b = batch.min(windows).max(1) as u64;
+        let t = seqlen as u64;
+        let heads = cfg.num_attention_heads as u64;
+        // Sparse layers: f32 scores, masked scores and probabilities for one batch; MLP: gate,
+        // up and their product.
+        let attn = 3 * b * heads * t * t * 4;
+        let mlp = 3 * b * t * cfg.intermediate_size as u64 * e;
+        let forward_bytes = attn.max(mlp) + 4 * b * t * h * 4;
+        // True-sequential re-runs: o twice more, gate/up once more (see `run_layers`).
+        let rerun = if true_sequential { 1.6 } else { 1.3 };
+        let forward_flops = 2.0 * linear_params * tokens as f64 * rerun;
+        let hessian_flops = if gptq {
+            ks.iter().map(|k| 2.0 * tokens as f64 * k * k).sum()
+        } else {
+            0.0
+        };
+        let factor_flops = if gptq {
+            ks.iter().map(|k| 2.0 / 3.0 * k * k * k).sum()
+        } else {
+            0.0
+        };
+        // Nominal rates: an H200 for CUDA (bf16 tensor cores ~600 effective, f64 ~40); a
+        // small multi-core CPU otherwise.
+        let (mm, f64r) = if device.is_cuda() {
+            (if dtype == DType::F32 { 40.0 } else { 500.0 }, 40.0)
+        } else {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+            (0.03 * cores, 0.015 * cores)
+        };
+        let seconds = (forward_flops + hessian_flops) / (mm * 1e12) + factor_flops / (f64r * 1e12);
+        let solve_bytes = if gptq { max_solve } else { 0 };
+        Self {
+            device: format!("{device:?}"),
+            tokens,
+            hidden_states_bytes,
+            embed_head_bytes,
+            layer_bytes: layer_params * e,
+            solve_bytes,
+            forward_bytes,
+            peak_bytes: hidden_states_bytes
+                + embed_head_bytes
+                + layer_params * e
+                + solve_bytes.max(forward_bytes),
+            forward_flops,
+            hessian_flops,
+            factor_flops,
+            seconds,
+            assumed_tflops: (mm, f64r),
+        }
+    }
+
+    pub fn line(&self) -> String {
+        format!(
+            "preflight: {} calibration tokens; expected peak memory on {} {:.1} GB (hidden states {:.1}, embeddings+head {:.1}, one layer {:.2}, solve/forward {:.1}); \
+             {:.2e} FLOP forward + {:.2e} FLOP Hessians + {:.2e} FLOP factorization ≈ {:.0} s at nominal rates",
+            self.tokens,
+            self.device,
+            self.peak_bytes as f64 / 1e9,
+            self.hidden_states_bytes as f64 / 1e9,
+            self.embed_head_bytes as f64 / 1e9,
+            self.layer_bytes as f64 / 1e9,
+            self.solve_bytes.max(self.forward_bytes) as f64 / 1e9,
+            self.forward_flops,
+            self.hessian_flops,
+            self.factor_flops,
+            self.seconds
+        )
+    }
+}
+
+/// GPU memory actually used: `(pool high-water mark of live allocations, reserved high-water
+/// mark, in use now incl. allocations outside the pool)`, bytes; None on the CPU.
+pub fn gpu_memory(device: &Device) -> Result<Option<(u64, u64, u64)>> {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        let (used, reserved) = crate::kernels::cuda::pool_high_water(device)?;
+        let now = crate::kernels::cuda::memory_in_use(device)?;
+        return Ok(Some((used, reserved, now)));
+    }
+    let _ = device;
+    Ok(None)
+}

@@ -16,6 +16,8 @@
 #           tensor-core XᵀX rates
 #   small   the shipped tiny-sala model: GPU vs CPU quantize (codes, perplexity), two GPU
 #           runs (manifests), eval-ppl of GPTQ and Marlin folders on the GPU
+#   train   retrain the fixture on the GPU (time budget TRAIN_SECS, default 240 s)
+#   quality the fixture's quality table: BF16, RTN, GPTQ static/dynamic/skip at 4 and 3 bits
 #   e2e128 / e2e256   synth --preset minicpm-sala-9b, then quantize with 128 (256) x 2048
 #           calibration tokens on the GPU: report with per-stage times and GPU memory
 # Logs and reports go to $OUT (default /tmp/gpu-bench).
@@ -52,8 +54,12 @@ for stage in "$@"; do
     ;;
   solver)
     log "solver"
-    "$G/bench_solver" --devices cuda,cpu --repeat 3 --save /tmp/wh --hessian-tokens 65536 \
+    "$G/bench_solver" --devices cuda --repeat 5 --save /tmp/wh --hessian-tokens 65536 \
       2>&1 | tee "$OUT/solver.txt" | tee -a "$OUT/summary.txt"
+    "$G/bench_solver" --devices cpu --repeat 1 2>&1 | tee -a "$OUT/solver.txt" | tee -a "$OUT/summary.txt"
+    echo "-- GPU, L⁻¹ by triangular solve instead of trtri; phase trace" | tee -a "$OUT/summary.txt"
+    SOAR_GPTQ_INVERSE=trsm "$G/bench_solver" --devices cuda --repeat 3 2>&1 | tee -a "$OUT/summary.txt"
+    SOAR_GPTQ_TRACE=1 "$G/bench_solver" --devices cuda --repeat 1 2>&1 | grep -E "trace|x" | tail -40 >> "$OUT/summary.txt"
     python3 examples/bench/gptq_eager.py /tmp/wh --device cuda --warmup 1 --repeat 3 \
       2>&1 | tee -a "$OUT/solver.txt" | tee -a "$OUT/summary.txt"
     ;;
@@ -66,6 +72,7 @@ for stage in "$@"; do
     timed "$SG" quantize --model $M --out $S/gpu $CAL --device cuda > $S/gpu.txt 2> $S/gpu.err
     "$SG" quantize --model $M --out $S/gpu2 $CAL --device cuda > /dev/null 2>&1
     "$SG" quantize --model $M --out $S/cpu $CAL --device cpu > $S/cpu.txt 2>&1
+    "$SG" quantize --model $M --out $S/gpu-f32 $CAL --device cuda --dtype f32 > /dev/null 2>&1
     tail -4 $S/gpu.txt | tee -a "$OUT/summary.txt"
     grep -E "wall|preflight" $S/gpu.err | tee -a "$OUT/summary.txt"
     if cmp -s $S/gpu/manifest.json $S/gpu2/manifest.json; then
@@ -73,13 +80,61 @@ for stage in "$@"; do
     else
       echo "two GPU runs: DIFFERENT manifests" | tee -a "$OUT/summary.txt"
     fi
+    echo "codes, GPU bf16 forward vs CPU f32:" | tee -a "$OUT/summary.txt"
     python3 examples/bench/compare_codes.py $S/gpu $S/cpu | tee -a "$OUT/summary.txt"
+    echo "codes, GPU f32 forward vs CPU f32:" | tee -a "$OUT/summary.txt"
+    python3 examples/bench/compare_codes.py $S/gpu-f32 $S/cpu | tee -a "$OUT/summary.txt"
     "$SG" pack-marlin --in $S/gpu --out $S/gpu-marlin > /dev/null
-    "$SG" eval-ppl --model $M --compare $S/gpu --compare $S/gpu-marlin --compare $S/cpu \
+    "$SG" eval-ppl --model $M --compare $S/gpu --compare $S/gpu-marlin --compare $S/cpu --compare $S/gpu-f32 \
       --data default --seqlen 256 --max-windows 16 --device cuda 2>&1 | tee -a "$OUT/summary.txt"
-    "$SG" eval-ppl --model $M --compare $S/gpu --compare $S/cpu \
+    "$SG" eval-ppl --model $M --compare $S/gpu --compare $S/cpu --compare $S/gpu-f32 \
       --data default --seqlen 256 --max-windows 16 --device cpu 2>&1 | tee -a "$OUT/summary.txt"
     cp $S/gpu/quantize_report.json "$OUT/small_gpu_report.json"
+    ;;
+  train)
+    # Retrains the fixture on the GPU (examples/train_tiny_sala.rs) within a time budget; the
+    # model comes back as $OUT/fixture.tar and later stages of this call use it.
+    log "train"
+    rm -rf /tmp/tiny-new
+    timed "$G/train_tiny_sala" --out /tmp/tiny-new --device cuda --workers 1 \
+      --steps ${TRAIN_STEPS:-6000} --batch ${TRAIN_BATCH:-32} --seqlen 256 --lr 3e-3 --warmup 100 \
+      --seed 0 --eval-every 100 --eval-windows 48 --time-budget-secs ${TRAIN_SECS:-240} \
+      --log-every 100 > "$OUT/train.log" 2>&1
+    echo "rc $?" >> "$OUT/train.log"
+    tail -25 "$OUT/train.log" | tee -a "$OUT/summary.txt"
+    [ -f /tmp/tiny-new/config.json ] && tar -C /tmp -cf "$OUT/fixture.tar" tiny-new && QMODEL=/tmp/tiny-new
+    ;;
+  quality)
+    # The quality table of docs/benchmarks.md on the fixture ($QMODEL, default the shipped one):
+    # f32 forward and f32 eval (the CPU protocol), default calibration (128 x 2048) and the
+    # model's own training text.
+    log "quality"
+    M=${QMODEL:-examples/tiny-sala}
+    [ -d $M/corpus ] || { mkdir -p $M/corpus; cp examples/tiny-sala/corpus/* $M/corpus/; }
+    Q=/tmp/quality
+    rm -rf $Q; mkdir -p $Q
+    for calib in default corpus; do
+      if [ $calib = corpus ]; then C="--calib $M/corpus/sotu-1790-1999.txt"; else C=""; fi
+      for bits in 4 3; do
+        for v in rtn static dynamic skip; do
+          case $v in
+            rtn) a="--method rtn" ;;
+            static) a="" ;;
+            dynamic) a="--act-order dynamic" ;;
+            skip) a="--skip o_gate --skip z_proj" ;;
+          esac
+          "$SG" quantize --model $M --out $Q/$calib-$bits-$v --bits $bits $a $C --device cuda --dtype f32 > /dev/null 2> $Q/err || { echo "FAIL $calib $bits $v"; cat $Q/err; }
+        done
+      done
+    done
+    for calib in default corpus; do
+      for bits in 4 3; do
+        echo "-- calibration $calib, $bits bits" | tee -a "$OUT/summary.txt"
+        "$SG" eval-ppl --model $M --compare $Q/$calib-$bits-rtn --compare $Q/$calib-$bits-static \
+          --compare $Q/$calib-$bits-dynamic --compare $Q/$calib-$bits-skip \
+          --data default --seqlen 512 --device cuda --dtype f32 2>&1 | tee -a "$OUT/summary.txt"
+      done
+    done
     ;;
   e2e128 | e2e256)
     n=${stage#e2e}

@@ -237,9 +237,12 @@ pub fn gptq_solve(w: &Tensor, h: &Tensor, opts: &SolveOptions) -> Result<Quantiz
         h.dims()
     );
     let t_factor = Instant::now();
+    let mut trace = Trace::new(&stream, k);
     let w = w.to_dtype(DType::F32)?.contiguous()?;
     let h = h.to_dtype(DType::F32)?.contiguous()?;
-    if !all_finite(&w)? || !all_finite(&h)? {
+    let finite = all_finite(&w)? && all_finite(&h)?;
+    trace.lap("finite check")?;
+    if !finite {
         // The CPU checks name the first bad element.
         let opts_cpu = SolveOptions {
             module: module.clone(),
@@ -259,6 +262,7 @@ pub fn gptq_solve(w: &Tensor, h: &Tensor, opts: &SolveOptions) -> Result<Quantiz
         diag[i] = 1.0;
     }
     let perm = crate::gptq::processing_order(&diag, opts.act_order);
+    trace.lap("diag + order")?;
     let mean_diag = diag.iter().map(|&d| d as f64).sum::<f64>() / k as f64;
 
     let mut scales: CudaSlice<f32> = stream.alloc_zeros(n_groups * n)?;
@@ -320,6 +324,7 @@ pub fn gptq_solve(w: &Tensor, h: &Tensor, opts: &SolveOptions) -> Result<Quantiz
         .index_select(&Tensor::from_vec(perm_u32, k, w.device())?, 1)?
         .contiguous()?;
     drop(w);
+    trace.lap("params + permute W")?;
 
     let (u, damp_used) = inverse_cholesky_upper(dev, &h, k, &perm, opts.damp, mean_diag, module)?;
     drop(h);
@@ -329,6 +334,7 @@ pub fn gptq_solve(w: &Tensor, h: &Tensor, opts: &SolveOptions) -> Result<Quantiz
     // A.5 on the GPU.
     let t_loop = Instant::now();
     let bs = opts.block_size;
+    let blas = dev.cublas_handle();
     ensure!(
         bs <= 128,
         "internal: the CUDA column loop holds at most 128 columns per block, got {bs}"
@@ -350,7 +356,6 @@ pub fn gptq_solve(w: &Tensor, h: &Tensor, opts: &SolveOptions) -> Result<Quantiz
         slice_ptr(&param_row_d, &stream),
         slice_ptr(&perm_d, &stream),
     );
-    let blas = dev.cublas_handle();
     for i1 in (0..k).step_by(bs) {
         let i2 = (i1 + bs).min(k);
         let width = i2 - i1;
@@ -409,6 +414,7 @@ pub fn gptq_solve(w: &Tensor, h: &Tensor, opts: &SolveOptions) -> Result<Quantiz
             cublas_ok(status, "Sgemm (lazy update)")?;
         }
     }
+    trace.lap("column loop")?;
     let codes = stream.clone_dtoh(&codes)?;
     let scales = stream.clone_dtoh(&scales)?;
     let zeros = stream.clone_dtoh(&zeros)?;
@@ -442,6 +448,39 @@ pub fn gptq_solve(w: &Tensor, h: &Tensor, opts: &SolveOptions) -> Result<Quantiz
         dead_columns: dead.len(),
         timings: SolveTimings { factor_s, loop_s },
     })
+}
+
+/// Phase timings of the factorization on stderr when `SOAR_GPTQ_TRACE=1` (a diagnostic for the
+/// benchmark; synchronizes the stream at every lap).
+struct Trace<'a> {
+    on: bool,
+    stream: &'a Arc<CudaStream>,
+    k: usize,
+    t: Instant,
+}
+
+impl<'a> Trace<'a> {
+    fn new(stream: &'a Arc<CudaStream>, k: usize) -> Self {
+        Self {
+            on: std::env::var("SOAR_GPTQ_TRACE").is_ok_and(|v| v == "1"),
+            stream,
+            k,
+            t: Instant::now(),
+        }
+    }
+
+    fn lap(&mut self, what: &str) -> Result<()> {
+        if self.on {
+            self.stream.synchronize()?;
+            eprintln!(
+                "trace K={} {what}: {:.3} ms",
+                self.k,
+                self.t.elapsed().as_secs_f64() * 1e3
+            );
+            self.t = Instant::now();
+        }
+        Ok(())
+    }
 }
 
 /// U with `H⁻¹ = UᵀU`, row-major f32 `[K, K]`, of `H` permuted by `perm` and damped (the same
@@ -506,6 +545,17 @@ fn inverse_cholesky_upper(
     let tr_work: CudaSlice<u8> = unsafe { stream.alloc(dev_bytes.max(1)) }?;
     let tr_work_p = slice_ptr(&tr_work, &stream);
     let mut host_work = vec![0u8; host_bytes.max(1)];
+    // L⁻¹ through cuSOLVER trtri (default) or a cuBLAS triangular solve against I
+    // (SOAR_GPTQ_INVERSE=trsm), kept selectable for the benchmark.
+    let use_trsm = std::env::var("SOAR_GPTQ_INVERSE").is_ok_and(|v| v == "trsm");
+    let inv: Option<CudaSlice<f64>> = if use_trsm {
+        Some(unsafe { stream.alloc(k * k) }?)
+    } else {
+        None
+    };
+    let inv_p = inv.as_ref().map_or(0, |x| slice_ptr(x, &stream));
+    let blas = dev.cublas_handle();
+    let mut trace = Trace::new(&stream, k);
     let mut damp = damp;
     loop {
         launch(
@@ -514,6 +564,7 @@ fn inverse_cholesky_upper(
             cfg((blocks(k, 256), k as u32, 1), (256, 1, 1)),
             &[&hp, &rev_p, &ap, &(k as i32), &(damp * mean_diag)],
         )?;
+        trace.lap("gather")?;
         cusolver_ok(
             unsafe {
                 cusolver::cusolverDnDpotrf(
@@ -530,7 +581,35 @@ fn inverse_cholesky_upper(
             "potrf",
         )?;
         let mut ok = stream.clone_dtoh(&info)?[0] == 0;
-        if ok {
+        trace.lap("potrf")?;
+        if ok && use_trsm {
+            // L⁻¹ by solving L·X = I (X then holds L⁻¹; `reverse_upper_f32` reads it).
+            launch(
+                dev,
+                "set_identity_f64",
+                cfg((blocks(k, 256), k as u32, 1), (256, 1, 1)),
+                &[&inv_p, &(k as i32)],
+            )?;
+            let one = 1.0f64;
+            let status = unsafe {
+                cublas::cublasDtrsm_v2(
+                    *blas.handle(),
+                    cublas::cublasSideMode_t::CUBLAS_SIDE_LEFT,
+                    cublas::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER,
+                    cublas::cublasOperation_t::CUBLAS_OP_N,
+                    cublas::cublasDiagType_t::CUBLAS_DIAG_NON_UNIT,
+                    k as i32,
+                    k as i32,
+                    &one,
+                    ap as *const f64,
+                    k as i32,
+                    inv_p as *mut f64,
+                    k as i32,
+                )
+            };
+            cublas_ok(status, "Dtrsm (L⁻¹)")?;
+            trace.lap("trsm")?;
+        } else if ok {
             cusolver_ok(
                 unsafe {
                     cusolver::cusolverDnXtrtri(
@@ -551,16 +630,20 @@ fn inverse_cholesky_upper(
                 "trtri",
             )?;
             ok = stream.clone_dtoh(&info)?[0] == 0;
+            trace.lap("trtri")?;
         }
         if ok {
             stream.memset_zeros(&mut bad)?;
+            let src = if use_trsm { inv_p } else { ap };
             launch(
                 dev,
                 "reverse_upper_f32",
                 cfg((blocks(k, 32), blocks(k, 32), 1), (32, 8, 1)),
-                &[&ap, &u_p, &(k as i32), &bad_p],
+                &[&src, &u_p, &(k as i32), &bad_p],
             )?;
-            if stream.clone_dtoh(&bad)?[0] == 0 {
+            let good = stream.clone_dtoh(&bad)?[0] == 0;
+            trace.lap("reverse")?;
+            if good {
                 return Ok((u, damp));
             }
         }

@@ -126,7 +126,9 @@ extern "C" __global__ void find_params(const float* __restrict__ w, int ldw, int
 }
 
 // The in-block part of the GPTQ column loop for columns [i1, i1 + width) (processing order),
-// one warp per output row; lane l holds columns i1 + 4l .. i1 + 4l + 3 in registers.
+// one warp per output row; lane l holds columns i1 + 4l .. i1 + 4l + 3 in registers, with
+// everything its own columns need (scale, zero, U[c][c], perm[c]) loaded once up front, so the
+// column-to-column chain (quantize, error, shuffle, update) has no global-memory load in it.
 //   w      [n, k] row-major f32 (processing order), becomes Q in the block
 //   u      [k, k] row-major f32, the upper factor of H⁻¹ in processing order
 //   scales/zeros [groups, n], param_row[c] = the group row used at processing position c
@@ -145,39 +147,52 @@ extern "C" __global__ void gptq_block(float* __restrict__ w, const float* __rest
     int lane = threadIdx.x % 32;
     if (row >= n) return;
     float* wr = w + (size_t)row * k + i1;
-    float v[4];
+    float v[4], s[4], z[4], d[4];
+    int pc[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         int col = lane * 4 + j;
-        v[j] = col < width ? wr[col] : 0.0f;
+        int c = i1 + col;
+        bool in = col < width;
+        v[j] = in ? wr[col] : 0.0f;
+        size_t p = in ? (size_t)param_row[c] * n + row : 0;
+        s[j] = in ? scales[p] : 1.0f;
+        z[j] = in ? zeros[p] : 0.0f;
+        d[j] = in ? u[(size_t)c * k + c] : 1.0f;
+        pc[j] = in ? perm[c] : 0;
     }
+    uint8_t* codes_row = codes + (size_t)row * k;
+    float* err_row = err1 + (size_t)row * width;
     double row_loss = 0.0;
-    for (int i = 0; i < width; ++i) {
-        int c = i1 + i;
-        int owner = i >> 2, sub = i & 3;
-        const float* urow = u + (size_t)c * k + i1;  // U[c][i1 ..]
-        float d = urow[i];
-        float e = 0.0f;
-        if (lane == owner) {
-            size_t p = (size_t)param_row[c] * n + row;
-            float s = scales[p], z = zeros[p];
-            float x = sub == 0 ? v[0] : sub == 1 ? v[1] : sub == 2 ? v[2] : v[3];
-            float code = quantize_code(x, s, z, maxq);
-            float q = dequantize_code(code, s, z);
-            codes[(size_t)row * k + perm[c]] = (uint8_t)code;
-            row_loss += (double)((x - q) * (x - q) / (d * d) / 2.0f);
-            e = (x - q) / d;
-            err1[(size_t)row * width + i] = e;
-            if (sub == 0) v[0] = q;
-            else if (sub == 1) v[1] = q;
-            else if (sub == 2) v[2] = q;
-            else v[3] = q;
-        }
-        e = __shfl_sync(0xffffffffu, e, owner);
+    for (int ib = 0; ib < width; ib += 4) {
+        int owner = ib >> 2;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            int col = lane * 4 + j;
-            if (col > i && col < width) v[j] -= e * urow[col];
+        for (int sub = 0; sub < 4; ++sub) {
+            int i = ib + sub;
+            if (i >= width) break;
+            const float* urow = u + (size_t)(i1 + i) * k + i1;  // U[c][i1 ..]
+            // Loads for this column's update, issued before the chain that produces e.
+            float uu[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                int col = lane * 4 + j;
+                uu[j] = (col > i && col < width) ? urow[col] : 0.0f;
+            }
+            float e = 0.0f;
+            if (lane == owner) {
+                float x = v[sub];
+                float code = quantize_code(x, s[sub], z[sub], maxq);
+                float q = dequantize_code(code, s[sub], z[sub]);
+                codes_row[pc[sub]] = (uint8_t)code;
+                float dd = d[sub];
+                row_loss += (double)((x - q) * (x - q) / (dd * dd) / 2.0f);
+                e = (x - q) / dd;
+                err_row[i] = e;
+                v[sub] = q;
+            }
+            e = __shfl_sync(0xffffffffu, e, owner);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) v[j] -= e * uu[j];
         }
     }
 #pragma unroll
@@ -239,4 +254,11 @@ extern "C" __global__ void dequant_marlin(const int32_t* __restrict__ b, const f
         float code = (float)((word >> (4 * p)) & 0xFu);
         out[(size_t)col * k + src_row[kp]] = dequantize_code(code, scales[(size_t)(kp / g) * n + col], 8.0f);
     }
+}
+
+// x = I (k x k, f64): the right-hand side when L⁻¹ is computed by a triangular solve.
+extern "C" __global__ void set_identity_f64(double* __restrict__ x, int k) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    int j = blockIdx.y;
+    if (i < k) x[(size_t)j * k + i] = i == j ? 1.0 : 0.0;
 }

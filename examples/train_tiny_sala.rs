@@ -32,7 +32,7 @@
 
 use anyhow::{bail, Context, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use clap::Parser;
 use soar_gptq::checkpoint::writer::{self, OutputDir, TensorSpec};
@@ -228,7 +228,8 @@ impl Net {
             let t = ws[0].len();
             let flat: Vec<u32> = ws.iter().flat_map(|w| w.iter().copied()).collect();
             let ids = Tensor::from_vec(flat, (ws.len(), t), &self.model.device)?;
-            let logp = eval::log_probs(&self.model, &self.hidden(&ids)?)?;
+            let logp =
+                candle_nn::ops::log_softmax(&self.model.head(&self.hidden(&ids)?)?, D::Minus1)?;
             let owned: Vec<Vec<u32>> = ws.iter().map(|w| w.to_vec()).collect();
             let (s, c) = eval::batch_nll(&logp, &owned)?;
             nll += s;
@@ -398,7 +399,7 @@ fn main() -> Result<()> {
         device: dev.clone(),
         batch: 8,
     };
-    let all_windows = eval::make_windows(&tok, &eval_text, &cfg, &ppl_opts)?;
+    let all_windows = eval::make_windows(&tok, &eval_text, &cfg.clone().into(), &ppl_opts)?;
     let all_refs: Vec<&Vec<u32>> = all_windows.iter().collect();
     let n_periodic = args.eval_windows.clamp(1, all_windows.len());
     let periodic: Vec<&Vec<u32>> = (0..n_periodic)

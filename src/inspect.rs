@@ -4,7 +4,7 @@
 
 use crate::checkpoint::writer::{verify_manifest, MANIFEST_FILE};
 use crate::checkpoint::Checkpoint;
-use crate::model::Config;
+use crate::model::{AnyConfig, MixerKind};
 use anyhow::{bail, Result};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -14,7 +14,10 @@ use std::path::Path;
 pub struct InspectReport {
     pub dir: String,
     pub architecture: String,
+    /// `minicpm-sala`, `llama`, `mistral`, `qwen2` or `minicpm`.
+    pub family: String,
     pub layers: usize,
+    /// Per layer: `minicpm4` / `lightning-attn` (MiniCPM-SALA) or `attention` (dense families).
     pub mixer_types: Vec<String>,
     pub sparse_layers: Vec<usize>,
     pub lightning_layers: Vec<usize>,
@@ -31,7 +34,7 @@ pub struct InspectReport {
 }
 
 pub fn inspect(dir: &Path) -> Result<InspectReport> {
-    let cfg = Config::from_file(&dir.join("config.json"))?;
+    let cfg = AnyConfig::from_file(&dir.join("config.json"))?;
     let ck = Checkpoint::open(dir)?;
     ck.validate_exact(&cfg.expected_tensors())?;
     let mut dtypes = BTreeMap::new();
@@ -55,21 +58,36 @@ pub fn inspect(dir: &Path) -> Result<InspectReport> {
     } else {
         None
     };
-    let kinds: Vec<_> = (0..cfg.num_hidden_layers).map(|i| cfg.mixer(i)).collect();
+    let n = cfg.num_hidden_layers();
+    let (architecture, mixer_types, sparse_layers, lightning_layers) = match &cfg {
+        AnyConfig::Sala(c) => {
+            let kinds: Vec<_> = (0..n).map(|i| c.mixer(i)).collect();
+            let with = |k: MixerKind| (0..n).filter(|&i| kinds[i] == k).collect::<Vec<_>>();
+            (
+                c.architectures.join(","),
+                kinds.iter().map(|k| k.name().to_string()).collect(),
+                with(MixerKind::Sparse),
+                with(MixerKind::Lightning),
+            )
+        }
+        AnyConfig::Dense(_) => (
+            cfg.architecture().to_string(),
+            vec!["attention".to_string(); n],
+            vec![],
+            vec![],
+        ),
+    };
     Ok(InspectReport {
         dir: dir.display().to_string(),
-        architecture: cfg.architectures.join(","),
-        layers: cfg.num_hidden_layers,
-        mixer_types: kinds.iter().map(|k| k.name().to_string()).collect(),
-        sparse_layers: (0..kinds.len())
-            .filter(|&i| kinds[i] == crate::model::MixerKind::Sparse)
-            .collect(),
-        lightning_layers: (0..kinds.len())
-            .filter(|&i| kinds[i] == crate::model::MixerKind::Lightning)
-            .collect(),
-        hidden_size: cfg.hidden_size,
-        intermediate_size: cfg.intermediate_size,
-        vocab_size: cfg.vocab_size,
+        architecture,
+        family: cfg.family().to_string(),
+        layers: n,
+        mixer_types,
+        sparse_layers,
+        lightning_layers,
+        hidden_size: cfg.hidden_size(),
+        intermediate_size: cfg.intermediate_size(),
+        vocab_size: cfg.vocab_size(),
         parameters: params,
         tensor_bytes: bytes,
         tensors: ck.names().count(),
@@ -88,13 +106,20 @@ impl InspectReport {
     pub fn print_text(&self) {
         println!("model          {}", self.dir);
         println!("architecture   {}", self.architecture);
-        println!(
-            "layers         {} ({} sparse: {:?}; {} lightning)",
-            self.layers,
-            self.sparse_layers.len(),
-            self.sparse_layers,
-            self.lightning_layers.len()
-        );
+        if self.family == "minicpm-sala" {
+            println!(
+                "layers         {} ({} sparse: {:?}; {} lightning)",
+                self.layers,
+                self.sparse_layers.len(),
+                self.sparse_layers,
+                self.lightning_layers.len()
+            );
+        } else {
+            println!(
+                "layers         {} (dense softmax attention, {} family)",
+                self.layers, self.family
+            );
+        }
         println!(
             "dims           hidden {}, intermediate {}, vocab {}",
             self.hidden_size, self.intermediate_size, self.vocab_size

@@ -1,4 +1,5 @@
-//! soar-gptq: GPTQ W4A16 quantization for MiniCPM-SALA. See ARCHITECTURE.md for the code map.
+//! soar-gptq: GPTQ W4A16 quantization for MiniCPM-SALA and the dense Llama-family decoders. See
+//! ARCHITECTURE.md for the code map.
 
 // Numeric kernels index several arrays with one loop variable, as the papers write them;
 // iterator chains would hide the math.

@@ -1,11 +1,12 @@
-//! `synth`: a random-weight checkpoint for any MiniCPM-SALA config, laid out like a real release
+//! `synth`: a random-weight checkpoint for any config of a supported architecture (MiniCPM-SALA
+//! or a dense Llama-family decoder), laid out like a real release
 //! (sharded BF16 safetensors with index, config, generation config, tokenizer). Deterministic per
 //! seed, and streamed: each tensor is generated in chunks while it is written, so the 9.5B preset
 //! never holds more than one chunk per core in memory.
 
 use crate::checkpoint::writer::{self, OutputDir, TensorSpec};
 use crate::checkpoint::Dtype;
-use crate::model::Config;
+use crate::model::AnyConfig;
 use crate::rng::SplitMix64;
 use anyhow::{bail, Context, Result};
 use rayon::prelude::*;
@@ -31,20 +32,23 @@ fn fnv1a(s: &str) -> u64 {
     })
 }
 
-/// How a tensor is initialised: norms near 1, matrices with std 1/sqrt(fan_in) (so activations
-/// keep unit scale through the random network), embeddings with std 1/scale_emb.
-fn init_for(name: &str, shape: &[usize], cfg: &Config) -> (f32, f32) {
+/// How a tensor is initialised: norms near 1, biases near 0, matrices with std 1/sqrt(fan_in)
+/// (so activations keep unit scale through the random network), embeddings with std
+/// 1/scale_emb.
+fn init_for(name: &str, shape: &[usize], cfg: &AnyConfig) -> (f32, f32) {
     let sqrt3 = 3f32.sqrt();
-    if shape.len() == 1 {
+    if name.ends_with(".bias") {
+        (0.0, 0.1)
+    } else if shape.len() == 1 {
         (1.0, 0.2)
     } else if name == "model.embed_tokens.weight" {
-        (0.0, sqrt3 / cfg.scale_emb as f32)
+        (0.0, sqrt3 / cfg.scale_emb() as f32)
     } else {
         (0.0, sqrt3 / (shape[1] as f32).sqrt())
     }
 }
 
-pub fn synth(cfg: &Config, opts: &SynthOptions) -> Result<PathBuf> {
+pub fn synth(cfg: &AnyConfig, opts: &SynthOptions) -> Result<PathBuf> {
     let tokenizer = match &opts.tokenizer {
         Some(p) => {
             std::fs::read(p).with_context(|| format!("cannot read tokenizer {}", p.display()))?
@@ -54,10 +58,10 @@ pub fn synth(cfg: &Config, opts: &SynthOptions) -> Result<PathBuf> {
     let tok = tokenizers::Tokenizer::from_bytes(&tokenizer)
         .map_err(|e| anyhow::anyhow!("invalid tokenizer.json: {e}"))?;
     let vocab = tok.get_vocab_size(true);
-    if vocab > cfg.vocab_size {
+    if vocab > cfg.vocab_size() {
         bail!(
             "the tokenizer has {vocab} tokens but the config's vocab_size is {}: token ids would overflow the embedding",
-            cfg.vocab_size
+            cfg.vocab_size()
         );
     }
     let out = OutputDir::create(&opts.out, opts.force)?;
@@ -103,13 +107,9 @@ pub fn synth(cfg: &Config, opts: &SynthOptions) -> Result<PathBuf> {
 }
 
 /// config.json, generation_config.json and tokenizer.json of a synthetic model.
-fn write_model_files(dir: &Path, cfg: &Config, tokenizer: &[u8]) -> Result<()> {
+fn write_model_files(dir: &Path, cfg: &AnyConfig, tokenizer: &[u8]) -> Result<()> {
     writer::write_file(&dir.join("config.json"), cfg.to_json_pretty().as_bytes())?;
-    let gen = serde_json::json!({
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": cfg.eos_token_id,
-        "pad_token_id": cfg.pad_token_id,
-    });
+    let gen = cfg.generation_ids();
     writer::write_file(
         &dir.join("generation_config.json"),
         serde_json::to_string_pretty(&gen)?.as_bytes(),

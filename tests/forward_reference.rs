@@ -197,7 +197,7 @@ fn reference_logits(ck: &Checkpoint, cfg: &Config, ids: &[u32]) -> Mat {
 fn synth_tiny(dir: &std::path::Path, seed: u64) -> Config {
     let cfg = soar_gptq::model::config::preset("tiny").unwrap();
     soar_gptq::synth::synth(
-        &cfg,
+        &cfg.clone().into(),
         &soar_gptq::synth::SynthOptions {
             out: dir.to_path_buf(),
             seed,

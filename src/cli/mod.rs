@@ -14,7 +14,7 @@ use std::path::PathBuf;
 #[command(
     name = "soar-gptq",
     version,
-    about = "GPTQ W4A16 quantization for MiniCPM-SALA, with perplexity verification"
+    about = "GPTQ W4A16 quantization for MiniCPM-SALA and Llama-family decoders, with perplexity verification"
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -23,7 +23,8 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Quantizes a BF16 MiniCPM-SALA checkpoint to a GPTQ (W4A16 by default) checkpoint.
+    /// Quantizes a BF16 checkpoint (MiniCPM-SALA, Llama, Mistral, Qwen2, MiniCPM) to a GPTQ
+    /// (W4A16 by default) checkpoint.
     Quantize(Box<QuantizeArgs>),
     /// Rewrites a GPTQ checkpoint with Marlin-tiled weights (B, s), verified bit-exact.
     PackMarlin(PackMarlinArgs),
@@ -355,8 +356,8 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Synth(a) => {
             let cfg = match (&a.config, &a.preset) {
-                (Some(p), _) => crate::model::Config::from_file(p)?,
-                (None, Some(name)) => crate::model::config::preset(name)?,
+                (Some(p), _) => crate::model::AnyConfig::from_file(p)?,
+                (None, Some(name)) => crate::model::config::preset(name)?.into(),
                 (None, None) => unreachable!("clap requires one of --config / --preset"),
             };
             let opts = crate::synth::SynthOptions {

@@ -11,7 +11,7 @@ use crate::checkpoint::Checkpoint;
 use crate::format::quantized::{
     quantized_prefixes, read_module_codes, read_quant_info, validate_quantized, QuantInfo,
 };
-use crate::model::{Config, DecoderLayer, Model};
+use crate::model::{AnyConfig, AnyLayer, AnyModel};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
 use std::collections::BTreeSet;
@@ -46,7 +46,7 @@ pub struct PplReport {
 /// dequantized on load.
 pub struct LoadedModel {
     pub dir: std::path::PathBuf,
-    pub cfg: Config,
+    pub cfg: AnyConfig,
     pub ck: Checkpoint,
     pub tokenizer: tokenizers::Tokenizer,
     pub quant: Option<(QuantInfo, BTreeSet<String>)>,
@@ -54,7 +54,7 @@ pub struct LoadedModel {
 
 impl LoadedModel {
     pub fn open(dir: &Path) -> Result<Self> {
-        let cfg = Config::from_file(&dir.join("config.json"))?;
+        let cfg = AnyConfig::from_file(&dir.join("config.json"))?;
         let ck = Checkpoint::open(dir)?;
         let quant = match read_quant_info(dir)? {
             Some(info) => {
@@ -99,13 +99,13 @@ impl LoadedModel {
         self.ck.tensor(name, dtype, device)
     }
 
-    pub fn model(&self, dtype: DType, device: &Device) -> Result<Model> {
-        Model::from_tensors(&self.cfg, dtype, device, &|n| self.tensor(n, dtype, device))
+    pub fn model(&self, dtype: DType, device: &Device) -> Result<AnyModel> {
+        AnyModel::from_tensors(&self.cfg, dtype, device, &|n| self.tensor(n, dtype, device))
             .with_context(|| format!("loading embeddings and head of {}", self.dir.display()))
     }
 
-    pub fn layer(&self, i: usize, dtype: DType, device: &Device) -> Result<DecoderLayer> {
-        DecoderLayer::from_tensors(&self.cfg, i, &|n| self.tensor(n, dtype, device))
+    pub fn layer(&self, i: usize, dtype: DType, device: &Device) -> Result<AnyLayer> {
+        AnyLayer::from_tensors(&self.cfg, i, &|n| self.tensor(n, dtype, device))
             .with_context(|| format!("loading decoder layer {i} of {}", self.dir.display()))
     }
 }
@@ -114,7 +114,7 @@ impl LoadedModel {
 pub fn make_windows(
     tokenizer: &tokenizers::Tokenizer,
     text: &str,
-    cfg: &Config,
+    cfg: &AnyConfig,
     opts: &PplOptions,
 ) -> Result<Vec<Vec<u32>>> {
     if opts.seqlen < 2 {
@@ -124,9 +124,13 @@ pub fn make_windows(
         .encode(text, false)
         .map_err(|e| anyhow::anyhow!("tokenization failed: {e}"))?;
     let ids = enc.get_ids();
-    if let Some(bad) = ids.iter().find(|&&i| i as usize >= cfg.vocab_size) {
-        bail!("the tokenizer produced id {bad} but the model's vocab_size is {}: tokenizer and model do not match", cfg.vocab_size);
+    if let Some(bad) = ids.iter().find(|&&i| i as usize >= cfg.vocab_size()) {
+        bail!("the tokenizer produced id {bad} but the model's vocab_size is {}: tokenizer and model do not match", cfg.vocab_size());
     }
+    let bos = match (opts.bos, cfg.bos_token_id()) {
+        (true, None) => bail!("--bos: config.json has no bos_token_id"),
+        (_, b) => b.unwrap_or_default(),
+    };
     let step = if opts.bos {
         opts.seqlen - 1
     } else {
@@ -147,9 +151,7 @@ pub fn make_windows(
         .map(|w| {
             let chunk = &ids[w * step..(w + 1) * step];
             if opts.bos {
-                std::iter::once(cfg.bos_token_id)
-                    .chain(chunk.iter().copied())
-                    .collect()
+                std::iter::once(bos).chain(chunk.iter().copied()).collect()
             } else {
                 chunk.to_vec()
             }
@@ -160,7 +162,7 @@ pub fn make_windows(
 /// Final hidden states (before the head) of every window, computed layer by layer.
 pub fn final_hidden_states(
     lm: &LoadedModel,
-    model: &Model,
+    model: &AnyModel,
     windows: &[Vec<u32>],
     batch: usize,
     what: &str,
@@ -169,12 +171,12 @@ pub fn final_hidden_states(
     let mut states = Vec::new();
     for b in windows.chunks(batch.max(1)) {
         let flat: Vec<u32> = b.iter().flatten().copied().collect();
-        let ids = Tensor::from_vec(flat, (b.len(), seqlen), &model.device)?;
+        let ids = Tensor::from_vec(flat, (b.len(), seqlen), model.device())?;
         states.push(model.embed(&ids)?);
     }
-    let pb = crate::cli::progress::bar(model.cfg.num_hidden_layers as u64, what);
-    for i in 0..model.cfg.num_hidden_layers {
-        let layer = lm.layer(i, model.dtype, &model.device)?;
+    let pb = crate::cli::progress::bar(model.num_layers() as u64, what);
+    for i in 0..model.num_layers() {
+        let layer = lm.layer(i, model.dtype(), model.device())?;
         for h in states.iter_mut() {
             *h = layer.forward(h, &mut |_, _| Ok(()))?;
         }
@@ -185,7 +187,7 @@ pub fn final_hidden_states(
 }
 
 /// Per-position log-probabilities `[B, T, V]` (f32) from final hidden states.
-pub fn log_probs(model: &Model, h: &Tensor) -> Result<Tensor> {
+pub fn log_probs(model: &AnyModel, h: &Tensor) -> Result<Tensor> {
     Ok(candle_nn::ops::log_softmax(&model.head(h)?, D::Minus1)?)
 }
 
@@ -262,12 +264,12 @@ pub fn compare(
     let mut compared = vec![];
     for other in others {
         let om = LoadedModel::open(other)?;
-        if om.cfg.vocab_size != lm.cfg.vocab_size {
+        if om.cfg.vocab_size() != lm.cfg.vocab_size() {
             bail!(
                 "--compare {}: vocab_size {} differs from the reference's {}; the models cannot be compared token by token",
                 other.display(),
-                om.cfg.vocab_size,
-                lm.cfg.vocab_size
+                om.cfg.vocab_size(),
+                lm.cfg.vocab_size()
             );
         }
         let omodel = om.model(opts.dtype, &opts.device)?;

@@ -1,6 +1,6 @@
 //! `inspect DIR` for quantized checkpoints (GPTQ v1/v2 or Marlin, any architecture): the
 //! settings and `dynamic` rules, which modules are quantized and which are kept in 16 bits, sizes,
-//! and a full check: the tensors (against the MiniCPM-SALA layout when `config.json` is one, else
+//! and a full check: the tensors (against the layout `config.json` implies when it is a supported architecture, else
 //! the quantized sets alone), fused groups (q/k/v, gate/up) that must share their settings, the
 //! manifest hashes, and the Marlin unpack. It also says whether SGLang and vLLM would select
 //! `gptq_marlin` for the checkpoint (`gptq-and-marlin.md` B.4) and, if not, why. Any failed check
@@ -143,9 +143,14 @@ pub fn inspect_quantized(dir: &Path) -> Result<QuantInspectReport> {
     let ck = Checkpoint::open(dir)?;
     let expected = expected_bf16_tensors(dir);
     let validated_against = match &expected {
-        Ok(e) => format!("MiniCPM-SALA layout from config.json ({} tensors)", e.len()),
+        Ok(e) => format!(
+            "{} layout from config.json ({} tensors)",
+            crate::model::AnyConfig::from_file(&dir.join(CONFIG_FILE))
+                .map_or("config.json", |c| c.display_name()),
+            e.len()
+        ),
         Err(why) => format!(
-            "quantized tensor sets only (config.json is not a MiniCPM-SALA config: {})",
+            "quantized tensor sets only (config.json is not a config of a supported architecture: {})",
             why.lines().next().unwrap_or_default()
         ),
     };

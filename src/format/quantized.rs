@@ -21,7 +21,7 @@
 use crate::checkpoint::{Checkpoint, Dtype};
 use crate::format::marlin::{check_marlin_shape, unpack_marlin, unpermute_scales};
 use crate::format::pack::{dequantize_gptq, GptqTensors};
-use crate::model::Config;
+use crate::model::AnyConfig;
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use rayon::prelude::*;
 use regex::Regex;
@@ -339,14 +339,15 @@ pub(crate) fn read_json(path: &Path) -> Result<Value> {
     serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))
 }
 
-/// The BF16 layout `dir/config.json` implies when it is a valid MiniCPM-SALA config; otherwise
-/// the reason it is not (other architectures are validated by their quantized sets alone).
+/// The BF16 layout `dir/config.json` implies when it is a valid config of a supported
+/// architecture (MiniCPM-SALA or a dense Llama-family decoder); otherwise the reason it is not
+/// (other architectures are validated by their quantized sets alone).
 pub fn expected_bf16_tensors(dir: &Path) -> std::result::Result<Vec<(String, Vec<usize>)>, String> {
     let path = dir.join(CONFIG_FILE);
     if !path.is_file() {
         return Err(format!("{} does not exist", path.display()));
     }
-    Config::from_file(&path)
+    AnyConfig::from_file(&path)
         .map(|c| c.expected_tensors())
         .map_err(|e| format!("{e:#}"))
 }

@@ -235,6 +235,18 @@ impl Config {
         Ok(())
     }
 
+    /// Refuses inputs the dense path cannot compute exactly.
+    pub fn check_length(&self, t: usize) -> Result<()> {
+        let dense_len = self.sparse_config.dense_len;
+        if t >= dense_len {
+            bail!(
+                "sequence length {t} is at or above sparse_config.dense_len = {dense_len}: InfLLM-v2 sparse attention \
+                 is not implemented; use --seqlen below {dense_len}"
+            );
+        }
+        Ok(())
+    }
+
     pub fn mixer(&self, layer: usize) -> MixerKind {
         MixerKind::parse(&self.mixer_types[layer]).expect("validated")
     }

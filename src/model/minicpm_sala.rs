@@ -97,7 +97,7 @@ pub fn rope(x: &Tensor, theta: f64) -> candle_core::Result<Tensor> {
 }
 
 /// Repeats each kv head `n_rep` times consecutively: `[B, Hkv, T, D]` → `[B, Hkv·n_rep, T, D]`.
-fn repeat_kv(x: &Tensor, n_rep: usize) -> candle_core::Result<Tensor> {
+pub(crate) fn repeat_kv(x: &Tensor, n_rep: usize) -> candle_core::Result<Tensor> {
     if n_rep == 1 {
         return Ok(x.clone());
     }
@@ -424,7 +424,7 @@ impl DecoderLayer {
 }
 
 /// Additive causal mask `[T, T]`: 0 on and below the diagonal, −inf above.
-fn causal_mask(t: usize, dev: &Device) -> candle_core::Result<Tensor> {
+pub(crate) fn causal_mask(t: usize, dev: &Device) -> candle_core::Result<Tensor> {
     super::cached_constant(format!("causal-mask-{t}"), dev, || {
         let data: Vec<f32> = (0..t * t)
             .map(|x| {
@@ -481,14 +481,7 @@ impl Model {
 
     /// Refuses inputs the dense path cannot compute exactly.
     pub fn check_length(&self, t: usize) -> Result<()> {
-        let dense_len = self.cfg.sparse_config.dense_len;
-        if t >= dense_len {
-            bail!(
-                "sequence length {t} is at or above sparse_config.dense_len = {dense_len}: InfLLM-v2 sparse attention \
-                 is not implemented; use --seqlen below {dense_len}"
-            );
-        }
-        Ok(())
+        self.cfg.check_length(t)
     }
 
     /// `ids` `[B, T]` u32 → hidden states `[B, T, H]` scaled by `scale_emb`.

@@ -1,8 +1,12 @@
-//! Model definitions: the MiniCPM-SALA config, its forward pass, and the Simple-GLA mixer.
+//! Model definitions: the MiniCPM-SALA config, its forward pass, and the Simple-GLA mixer; the
+//! dense Llama-family decoders; and the enums that dispatch between them by `architectures`.
+pub mod arch;
 pub mod config;
 pub mod gla;
+pub mod llama;
 pub mod minicpm_sala;
 
+pub use arch::{AnyConfig, AnyLayer, AnyModel, SUPPORTED_ARCHITECTURES};
 pub use config::{Config, MixerKind};
 pub use minicpm_sala::{DecoderLayer, LinearGroup, Model};
 

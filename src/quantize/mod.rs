@@ -17,8 +17,7 @@ use crate::checkpoint::writer::{self, OutputDir, TensorSpec, SIDE_FILES};
 use crate::checkpoint::{Checkpoint, Dtype};
 use crate::format;
 use crate::gptq::{self, ActOrder, HessianAccumulator, QuantParams, QuantizedLinear, SolveOptions};
-use crate::model::minicpm_sala::{DecoderLayer, LinearGroup, Model};
-use crate::model::Config;
+use crate::model::{AnyConfig, AnyLayer, AnyModel, LinearGroup};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use journal::{Journal, JournalLayer, Packed};
@@ -126,12 +125,12 @@ fn compile_skips(skip: &[String]) -> Result<Vec<regex::Regex>> {
 
 /// Modules to quantize per layer (relative names), with fused groups checked.
 fn plan_modules(
-    cfg: &Config,
+    cfg: &AnyConfig,
     skips: &[regex::Regex],
     skip_src: &[String],
 ) -> Result<Vec<Vec<(String, bool)>>> {
     let mut plan = vec![];
-    for i in 0..cfg.num_hidden_layers {
+    for i in 0..cfg.num_hidden_layers() {
         let mut mods = vec![];
         for (name, _) in cfg.layer_tensors(i) {
             let Some(m) = name.strip_suffix(".weight") else {
@@ -249,7 +248,7 @@ fn relative_output_error(w: &Tensor, q: &Tensor, h: &Tensor) -> Result<f64> {
 /// them instead of recomputing attention. Time up to each capture is charged to the forward,
 /// the accumulation itself to the Hessians.
 fn accumulate(
-    layer: &DecoderLayer,
+    layer: &AnyLayer,
     states: &[Tensor],
     mixer: Option<&[Tensor]>,
     groups: &[LinearGroup],
@@ -321,7 +320,7 @@ fn load_saved_hessian(
 pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     let t0 = Instant::now();
     let src = crate::source::resolve(&opts.model, opts.revision.as_deref())?;
-    let cfg = Config::from_file(&src.dir.join("config.json"))?;
+    let cfg = AnyConfig::from_file(&src.dir.join("config.json"))?;
     let ck = Checkpoint::open(&src.dir)?;
     ck.validate_exact(&cfg.expected_tensors())?;
     let tok_path = src.dir.join("tokenizer.json");
@@ -342,13 +341,8 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
             opts.bits
         );
     }
-    if opts.seqlen >= cfg.sparse_config.dense_len {
-        bail!(
-            "--seqlen {} is at or above sparse_config.dense_len = {}: InfLLM-v2 sparse attention is not implemented; use a smaller --seqlen",
-            opts.seqlen,
-            cfg.sparse_config.dense_len
-        );
-    }
+    cfg.check_length(opts.seqlen)
+        .with_context(|| format!("--seqlen {} is too long for this model", opts.seqlen))?;
     if opts.load_hessians.is_some() && opts.method == Method::Rtn {
         bail!("--load-hessians has no effect with --method rtn, which uses no Hessians");
     }
@@ -414,7 +408,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     let calib = calib::build_windows(
         &sources,
         &tokenizer,
-        cfg.vocab_size,
+        cfg.vocab_size(),
         opts.nsamples,
         opts.seqlen,
         opts.seed,
@@ -446,7 +440,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     }
 
     let preflight = Preflight::estimate(
-        &cfg,
+        &cfg.shape_config(),
         calib.windows.len(),
         opts.seqlen,
         opts.batch,
@@ -547,7 +541,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
 #[allow(clippy::too_many_arguments)]
 fn run_layers(
     opts: &QuantizeOptions,
-    cfg: &Config,
+    cfg: &AnyConfig,
     ck: &Checkpoint,
     windows: &[Vec<u32>],
     plan: &[Vec<(String, bool)>],
@@ -558,17 +552,19 @@ fn run_layers(
     stages: &mut Stages,
 ) -> Result<()> {
     let mut clock = StageClock::new(&opts.device);
-    let model = Model::load(ck, cfg, opts.dtype, &opts.device).context("loading the embedding")?;
+    let model =
+        AnyModel::load(ck, cfg, opts.dtype, &opts.device).context("loading the embedding")?;
     let seqlen = windows[0].len();
     let mut states = vec![];
-    // With saved Hessians no forward runs at all: each Linear is solved from its file.
-    let calibrate = opts.load_hessians.is_none();
+    // With saved Hessians no forward runs at all: each Linear is solved from its file; RTN
+    // reads no activations either.
+    let calibrate = opts.load_hessians.is_none() && opts.method == Method::Gptq;
     for b in windows.chunks(opts.batch.max(1)).filter(|_| calibrate) {
         let flat: Vec<u32> = b.iter().flatten().copied().collect();
         states.push(model.embed(&Tensor::from_vec(flat, (b.len(), seqlen), &opts.device)?)?);
     }
     stages.embed += clock.lap()?;
-    let pb = crate::cli::progress::bar(cfg.num_hidden_layers as u64, "quantize");
+    let pb = crate::cli::progress::bar(cfg.num_hidden_layers() as u64, "quantize");
     // Replay the layers a previous run finished.
     for entry in journal.layers.clone() {
         pb.set_message(format!("layer {} (replaying journal)", entry.index));
@@ -592,7 +588,7 @@ fn run_layers(
         pb.inc(1);
     }
     let start = journal.layers.len();
-    for i in start..cfg.num_hidden_layers {
+    for i in start..cfg.num_hidden_layers() {
         if opts.stop_after_layers.is_some_and(|n| i >= n) {
             bail!("stopped after {i} layer(s) as requested (--stop-after-layers)");
         }
@@ -813,7 +809,7 @@ fn assemble(
     dir: &Path,
     src_dir: &Path,
     ck: &Checkpoint,
-    cfg: &Config,
+    cfg: &AnyConfig,
     plan: &[Vec<(String, bool)>],
     journal: &Journal,
     jdir: &Path,

@@ -1,0 +1,446 @@
+//! One interface over the architectures the tool runs, chosen by `config.json`'s
+//! `architectures`: MiniCPM-SALA ([`super::minicpm_sala`]) and the dense Llama-family decoders
+//! ([`super::llama`]). The quantizer, the evaluator, `inspect` and `synth` go through these three
+//! enums; each variant keeps its own types, so the MiniCPM-SALA path is unchanged.
+//!
+//! What the pipeline needs from an architecture: the tensor list a config implies (validation,
+//! planning, assembling), the embedding and head, decoder layers loaded one at a time with their
+//! Linears by name and group, a forward with a capture hook per Linear group, and the mixer
+//! (attention) output on its own so later true-sequential subsets can reuse it.
+
+use super::config::Config;
+use super::llama::{self, LlamaConfig};
+use super::minicpm_sala::{self, Linear, LinearGroup};
+use crate::checkpoint::Checkpoint;
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use std::path::Path;
+
+/// `architectures` entries the tool runs.
+pub const SUPPORTED_ARCHITECTURES: [&str; 5] = [
+    "MiniCPMSALAForCausalLM",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "MiniCPMForCausalLM",
+];
+
+/// A validated `config.json` of a supported architecture.
+// One or two exist per command: the size difference between the variants does not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone)]
+pub enum AnyConfig {
+    Sala(Config),
+    Dense(LlamaConfig),
+}
+
+impl From<Config> for AnyConfig {
+    fn from(c: Config) -> Self {
+        Self::Sala(c)
+    }
+}
+
+impl From<LlamaConfig> for AnyConfig {
+    fn from(c: LlamaConfig) -> Self {
+        Self::Dense(c)
+    }
+}
+
+impl AnyConfig {
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        Self::from_json(&text).with_context(|| format!("invalid model config {}", path.display()))
+    }
+
+    /// Dispatches on `architectures`; an unsupported one is an error listing the supported ones.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let v: serde_json::Value = serde_json::from_str(text)?;
+        let archs: Vec<&str> = match v.get("architectures") {
+            Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_str()).collect(),
+            _ => bail!(
+                "config.json has no \"architectures\" list: supported are {}",
+                SUPPORTED_ARCHITECTURES.join(", ")
+            ),
+        };
+        if archs.contains(&"MiniCPMSALAForCausalLM") {
+            return Ok(Self::Sala(Config::from_json(text)?));
+        }
+        if archs
+            .iter()
+            .any(|a| llama::Family::from_architecture(a).is_some())
+        {
+            return Ok(Self::Dense(LlamaConfig::from_value(v)?));
+        }
+        bail!(
+            "architectures is {archs:?}: unsupported; this tool runs {}",
+            SUPPORTED_ARCHITECTURES.join(", ")
+        )
+    }
+
+    /// The MiniCPM-SALA config, when it is one.
+    pub fn sala(&self) -> Option<&Config> {
+        match self {
+            Self::Sala(c) => Some(c),
+            Self::Dense(_) => None,
+        }
+    }
+
+    pub fn architecture(&self) -> &'static str {
+        match self {
+            Self::Sala(_) => "MiniCPMSALAForCausalLM",
+            Self::Dense(c) => c.family.architecture(),
+        }
+    }
+
+    /// The family as people write it: MiniCPM-SALA, Llama, Mistral, Qwen2 or MiniCPM.
+    pub fn display_name(&self) -> &'static str {
+        match self {
+            Self::Sala(_) => "MiniCPM-SALA",
+            Self::Dense(c) => match c.family {
+                llama::Family::Llama => "Llama",
+                llama::Family::Mistral => "Mistral",
+                llama::Family::Qwen2 => "Qwen2",
+                llama::Family::MiniCpm => "MiniCPM",
+            },
+        }
+    }
+
+    /// A short family name: `minicpm-sala`, `llama`, `mistral`, `qwen2` or `minicpm`.
+    pub fn family(&self) -> &'static str {
+        match self {
+            Self::Sala(_) => "minicpm-sala",
+            Self::Dense(c) => c.family.name(),
+        }
+    }
+
+    pub fn num_hidden_layers(&self) -> usize {
+        match self {
+            Self::Sala(c) => c.num_hidden_layers,
+            Self::Dense(c) => c.num_hidden_layers,
+        }
+    }
+
+    pub fn hidden_size(&self) -> usize {
+        match self {
+            Self::Sala(c) => c.hidden_size,
+            Self::Dense(c) => c.hidden_size,
+        }
+    }
+
+    pub fn intermediate_size(&self) -> usize {
+        match self {
+            Self::Sala(c) => c.intermediate_size,
+            Self::Dense(c) => c.intermediate_size,
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Self::Sala(c) => c.vocab_size,
+            Self::Dense(c) => c.vocab_size,
+        }
+    }
+
+    pub fn bos_token_id(&self) -> Option<u32> {
+        match self {
+            Self::Sala(c) => Some(c.bos_token_id),
+            Self::Dense(c) => c.bos_token_id,
+        }
+    }
+
+    /// `scale_emb` (1 for the families without muP).
+    pub fn scale_emb(&self) -> f64 {
+        match self {
+            Self::Sala(c) => c.scale_emb,
+            Self::Dense(c) => c.scale_emb,
+        }
+    }
+
+    /// Refuses sequence lengths the forward pass cannot compute exactly: at or above
+    /// `sparse_config.dense_len` for MiniCPM-SALA, above `max_position_embeddings` (or a
+    /// sliding window in force) for the dense families.
+    pub fn check_length(&self, t: usize) -> Result<()> {
+        match self {
+            Self::Sala(c) => c.check_length(t),
+            Self::Dense(c) => c.check_length(t),
+        }
+    }
+
+    pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        match self {
+            Self::Sala(c) => c.expected_tensors(),
+            Self::Dense(c) => c.expected_tensors(),
+        }
+    }
+
+    pub fn layer_tensors(&self, i: usize) -> Vec<(String, Vec<usize>)> {
+        match self {
+            Self::Sala(c) => c.layer_tensors(i),
+            Self::Dense(c) => c.layer_tensors(i),
+        }
+    }
+
+    pub fn param_count(&self) -> u64 {
+        self.expected_tensors()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>() as u64)
+            .sum()
+    }
+
+    /// The config as JSON (MiniCPM-SALA: re-serialized; dense: the file as read).
+    pub fn to_json_pretty(&self) -> String {
+        match self {
+            Self::Sala(c) => c.to_json_pretty(),
+            Self::Dense(c) => serde_json::to_string_pretty(&c.raw).expect("config serializes"),
+        }
+    }
+
+    /// bos / eos / pad ids for `generation_config.json`.
+    pub fn generation_ids(&self) -> serde_json::Value {
+        match self {
+            Self::Sala(c) => serde_json::json!({
+                "bos_token_id": c.bos_token_id,
+                "eos_token_id": c.eos_token_id,
+                "pad_token_id": c.pad_token_id,
+            }),
+            Self::Dense(c) => serde_json::json!({
+                "bos_token_id": c.bos_token_id,
+                "eos_token_id": c.eos_token_id,
+                "pad_token_id": c.pad_token_id,
+            }),
+        }
+    }
+
+    /// A MiniCPM-SALA config with the same tensor shapes, for code written against the SALA
+    /// config that only reads dimensions (the quantize preflight estimate): every layer is a
+    /// `minicpm4` softmax-attention layer without output gate. Biases are not represented
+    /// (they are a rounding error of an estimate), nor a head_dim that differs from
+    /// hidden_size / heads (the attention widths are then approximate).
+    pub fn shape_config(&self) -> Config {
+        let c = match self {
+            Self::Sala(c) => return c.clone(),
+            Self::Dense(c) => c,
+        };
+        let mut j: serde_json::Value =
+            serde_json::from_str(super::config::TINY_CONFIG).expect("preset parses");
+        let n = c.num_hidden_layers;
+        j["architectures"] = serde_json::json!(["MiniCPMSALAForCausalLM"]);
+        j["hidden_size"] = c.hidden_size.into();
+        j["intermediate_size"] = c.intermediate_size.into();
+        j["num_hidden_layers"] = n.into();
+        j["mixer_types"] = serde_json::json!(vec!["minicpm4"; n]);
+        j["num_attention_heads"] = c.num_attention_heads.into();
+        j["num_key_value_heads"] = c.num_key_value_heads.into();
+        j["head_dim"] = (c.hidden_size / c.num_attention_heads).into();
+        j["vocab_size"] = c.vocab_size.into();
+        j["attn_use_output_gate"] = false.into();
+        j["tie_word_embeddings"] = false.into();
+        serde_json::from_value(j).expect("shape config deserializes")
+    }
+}
+
+/// Embedding and head of a supported architecture.
+#[allow(clippy::large_enum_variant)]
+pub enum AnyModel {
+    Sala(minicpm_sala::Model),
+    Dense(llama::Model),
+}
+
+impl AnyModel {
+    pub fn load(ck: &Checkpoint, cfg: &AnyConfig, dtype: DType, device: &Device) -> Result<Self> {
+        Self::from_tensors(cfg, dtype, device, &|name| ck.tensor(name, dtype, device))
+    }
+
+    pub fn from_tensors(
+        cfg: &AnyConfig,
+        dtype: DType,
+        device: &Device,
+        get: &dyn Fn(&str) -> Result<Tensor>,
+    ) -> Result<Self> {
+        Ok(match cfg {
+            AnyConfig::Sala(c) => {
+                Self::Sala(minicpm_sala::Model::from_tensors(c, dtype, device, get)?)
+            }
+            AnyConfig::Dense(c) => Self::Dense(llama::Model::from_tensors(c, dtype, device, get)?),
+        })
+    }
+
+    pub fn config(&self) -> AnyConfig {
+        match self {
+            Self::Sala(m) => AnyConfig::Sala(m.cfg.clone()),
+            Self::Dense(m) => AnyConfig::Dense(m.cfg.clone()),
+        }
+    }
+
+    pub fn num_layers(&self) -> usize {
+        match self {
+            Self::Sala(m) => m.cfg.num_hidden_layers,
+            Self::Dense(m) => m.cfg.num_hidden_layers,
+        }
+    }
+
+    pub fn dtype(&self) -> DType {
+        match self {
+            Self::Sala(m) => m.dtype,
+            Self::Dense(m) => m.dtype,
+        }
+    }
+
+    pub fn device(&self) -> &Device {
+        match self {
+            Self::Sala(m) => &m.device,
+            Self::Dense(m) => &m.device,
+        }
+    }
+
+    /// Decoder layer `i` from the checkpoint, in this model's dtype and device.
+    pub fn load_layer(&self, ck: &Checkpoint, i: usize) -> Result<AnyLayer> {
+        Ok(match self {
+            Self::Sala(m) => AnyLayer::Sala(m.load_layer(ck, i)?),
+            Self::Dense(m) => AnyLayer::Dense(
+                llama::DecoderLayer::load(ck, &m.cfg, i, m.dtype, &m.device)
+                    .with_context(|| format!("loading decoder layer {i}"))?,
+            ),
+        })
+    }
+
+    pub fn check_length(&self, t: usize) -> Result<()> {
+        match self {
+            Self::Sala(m) => m.check_length(t),
+            Self::Dense(m) => m.check_length(t),
+        }
+    }
+
+    pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Sala(m) => m.embed(ids),
+            Self::Dense(m) => m.embed(ids),
+        }
+    }
+
+    /// f32 logits `[B, T, V]` from final hidden states.
+    pub fn head(&self, h: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Sala(m) => m.head(h),
+            Self::Dense(m) => m.head(h),
+        }
+    }
+
+    /// Logits of a full forward with all layers given (tests, short evaluations).
+    pub fn forward(&self, ids: &Tensor, layers: &[AnyLayer]) -> Result<Tensor> {
+        let mut h = self.embed(ids)?;
+        for layer in layers {
+            h = layer.forward(&h, &mut |_, _| Ok(()))?;
+        }
+        self.head(&h)
+    }
+}
+
+/// One decoder layer of a supported architecture.
+#[derive(Debug, Clone)]
+pub enum AnyLayer {
+    Sala(minicpm_sala::DecoderLayer),
+    Dense(llama::DecoderLayer),
+}
+
+impl AnyLayer {
+    pub fn load(
+        ck: &Checkpoint,
+        cfg: &AnyConfig,
+        i: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        Self::from_tensors(cfg, i, &|name| ck.tensor(name, dtype, device))
+    }
+
+    pub fn from_tensors(
+        cfg: &AnyConfig,
+        i: usize,
+        get: &dyn Fn(&str) -> Result<Tensor>,
+    ) -> Result<Self> {
+        Ok(match cfg {
+            AnyConfig::Sala(c) => Self::Sala(minicpm_sala::DecoderLayer::from_tensors(c, i, get)?),
+            AnyConfig::Dense(c) => Self::Dense(llama::DecoderLayer::from_tensors(c, i, get)?),
+        })
+    }
+
+    /// (name relative to the layer, group) of every Linear, in true-sequential order.
+    pub fn linears(&self) -> Vec<(&'static str, LinearGroup)> {
+        match self {
+            Self::Sala(l) => l.linears(),
+            Self::Dense(l) => l.linears(),
+        }
+    }
+
+    pub fn linear_mut(&mut self, name: &str) -> Result<&mut Linear> {
+        match self {
+            Self::Sala(l) => l.linear_mut(name),
+            Self::Dense(l) => l.linear_mut(name),
+        }
+    }
+
+    pub fn forward(
+        &self,
+        h: &Tensor,
+        capture: &mut dyn FnMut(LinearGroup, &Tensor) -> Result<()>,
+    ) -> Result<Tensor> {
+        match self {
+            Self::Sala(l) => l.forward(h, capture),
+            Self::Dense(l) => l.forward(h, capture),
+        }
+    }
+
+    /// The input of o_proj: the gated mixer output (SALA) or the self-attention output.
+    pub fn mixer_output(&self, h: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Sala(l) => l.mixer_output(h),
+            Self::Dense(l) => l.mixer_output(h),
+        }
+    }
+
+    pub fn forward_from_mixer(
+        &self,
+        h: &Tensor,
+        attn: &Tensor,
+        capture: &mut dyn FnMut(LinearGroup, &Tensor) -> Result<()>,
+    ) -> Result<Tensor> {
+        match self {
+            Self::Sala(l) => l.forward_from_mixer(h, attn, capture),
+            Self::Dense(l) => l.forward_from_mixer(h, attn, capture),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unsupported_architectures_are_refused_with_the_supported_list() {
+        let e = AnyConfig::from_json(r#"{"architectures": ["GPTNeoXForCausalLM"]}"#).unwrap_err();
+        let e = format!("{e:#}");
+        assert!(e.contains("GPTNeoXForCausalLM"), "{e}");
+        for a in SUPPORTED_ARCHITECTURES {
+            assert!(e.contains(a), "{e}");
+        }
+        let e = format!("{:#}", AnyConfig::from_json("{}").unwrap_err());
+        assert!(e.contains("no \"architectures\""), "{e}");
+        let sala = AnyConfig::from_json(super::super::config::TINY_CONFIG).unwrap();
+        assert_eq!(sala.family(), "minicpm-sala");
+    }
+
+    #[test]
+    fn the_shape_config_has_the_dense_shapes() {
+        let c = AnyConfig::from_json(
+            r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
+                "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "vocab_size": 1000, "max_position_embeddings": 512, "rms_norm_eps": 1e-5}"#,
+        )
+        .unwrap();
+        let s = AnyConfig::Sala(c.shape_config());
+        assert_eq!(s.layer_tensors(1), c.layer_tensors(1));
+        assert_eq!(s.param_count(), c.param_count());
+    }
+}

@@ -1,0 +1,827 @@
+//! The dense decoder families that share MiniCPM-SALA's parts: `LlamaForCausalLM`,
+//! `MistralForCausalLM`, `Qwen2ForCausalLM` and `MiniCPMForCausalLM`, in one parameterized
+//! file. Every layer is pre-norm GQA softmax attention with rotate-half RoPE and a SwiGLU MLP;
+//! the families differ only in
+//! - biases: Qwen2 has q/k/v biases; Llama and MiniCPM follow `attention_bias` (q/k/v/o) and
+//!   Llama `mlp_bias` (gate/up/down);
+//! - MiniCPM's muP scalars: embeddings times `scale_emb`, each residual branch times
+//!   `scale_depth / sqrt(num_hidden_layers)`, the final hidden state divided by
+//!   `hidden_size / dim_model_base` before the head;
+//! - Mistral's (and Qwen2's `use_sliding_window`) sliding window, which is exact dense attention
+//!   up to its length: longer inputs are refused;
+//! - `tie_word_embeddings` (the head reads the embedding matrix).
+//!
+//! The layer API is the one the quantizer and the evaluator use for MiniCPM-SALA
+//! ([`super::minicpm_sala::DecoderLayer`]): a capture hook per Linear group, the attention output
+//! ("mixer output", the input of o_proj) computed on its own, and one layer loaded at a time.
+//! Precision follows the SALA forward: Linears in the model dtype, RMSNorm variance, RoPE,
+//! softmax and logits in f32.
+
+use super::minicpm_sala::{causal_mask, repeat_kv, rms_norm, Linear, LinearGroup};
+use crate::checkpoint::Checkpoint;
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use serde::Deserialize;
+
+/// The dense families and the `architectures` entry that selects each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    Llama,
+    Mistral,
+    Qwen2,
+    MiniCpm,
+}
+
+impl Family {
+    pub const ALL: [Family; 4] = [Self::Llama, Self::Mistral, Self::Qwen2, Self::MiniCpm];
+
+    pub fn architecture(self) -> &'static str {
+        match self {
+            Self::Llama => "LlamaForCausalLM",
+            Self::Mistral => "MistralForCausalLM",
+            Self::Qwen2 => "Qwen2ForCausalLM",
+            Self::MiniCpm => "MiniCPMForCausalLM",
+        }
+    }
+
+    pub fn from_architecture(a: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|f| f.architecture() == a)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Mistral => "mistral",
+            Self::Qwen2 => "qwen2",
+            Self::MiniCpm => "minicpm",
+        }
+    }
+
+    /// `tie_word_embeddings` when config.json omits it: the Transformers config classes of
+    /// Llama, Mistral and Qwen2 default to false; MiniCPM keeps PretrainedConfig's true.
+    fn default_tied(self) -> bool {
+        self == Self::MiniCpm
+    }
+}
+
+/// The keys of `config.json` that the forward pass reads. Keys that change the computation and
+/// have no common default are required; others take the Transformers defaults of the family
+/// (documented per field). Unknown keys are ignored.
+#[derive(Debug, Clone, Deserialize)]
+struct RawConfig {
+    architectures: Vec<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    /// Default: num_attention_heads (multi-head attention).
+    #[serde(default)]
+    num_key_value_heads: Option<usize>,
+    /// Default: hidden_size / num_attention_heads.
+    #[serde(default)]
+    head_dim: Option<usize>,
+    vocab_size: usize,
+    max_position_embeddings: usize,
+    rms_norm_eps: f64,
+    /// Default 10000 (every family's default; old Llama configs omit it).
+    #[serde(default)]
+    rope_theta: Option<f64>,
+    #[serde(default)]
+    rope_scaling: Option<serde_json::Value>,
+    #[serde(default)]
+    partial_rotary_factor: Option<f64>,
+    #[serde(default)]
+    hidden_act: Option<String>,
+    #[serde(default)]
+    tie_word_embeddings: Option<bool>,
+    #[serde(default)]
+    attention_bias: bool,
+    #[serde(default)]
+    mlp_bias: bool,
+    #[serde(default)]
+    sliding_window: Option<usize>,
+    #[serde(default)]
+    use_sliding_window: Option<bool>,
+    #[serde(default)]
+    bos_token_id: Option<u32>,
+    #[serde(default)]
+    eos_token_id: Option<serde_json::Value>,
+    #[serde(default)]
+    pad_token_id: Option<serde_json::Value>,
+    #[serde(default)]
+    scale_emb: Option<f64>,
+    #[serde(default)]
+    scale_depth: Option<f64>,
+    #[serde(default)]
+    dim_model_base: Option<f64>,
+}
+
+/// A validated dense-decoder config.
+#[derive(Debug, Clone)]
+pub struct LlamaConfig {
+    pub family: Family,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub max_position_embeddings: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    pub tie_word_embeddings: bool,
+    /// Biases on q/k/v, on o, and on gate/up/down.
+    pub qkv_bias: bool,
+    pub o_bias: bool,
+    pub mlp_bias: bool,
+    /// The sliding window in force (None: full causal attention).
+    pub sliding_window: Option<usize>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_id: Option<serde_json::Value>,
+    pub pad_token_id: Option<serde_json::Value>,
+    /// MiniCPM's muP scalars (1.0 for the other families).
+    pub scale_emb: f64,
+    pub residual_scale: f64,
+    pub logit_divisor: f64,
+    /// config.json as read, written back unchanged by `synth`.
+    pub raw: serde_json::Value,
+}
+
+/// `rope_scaling` kinds the forward pass implements.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Every frequency divided by `factor`.
+    Linear {
+        factor: f64,
+    },
+    /// Llama 3.1: long wavelengths divided by `factor`, short ones kept, a smooth ramp between.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+}
+
+impl RopeScaling {
+    fn parse(v: Option<&serde_json::Value>) -> Result<Self> {
+        let Some(v) = v.filter(|v| !v.is_null()) else {
+            return Ok(Self::None);
+        };
+        let kind = v
+            .get("rope_type")
+            .or_else(|| v.get("type"))
+            .and_then(|k| k.as_str())
+            .unwrap_or("");
+        let num = |k: &str| -> Result<f64> {
+            v.get(k)
+                .and_then(|x| x.as_f64())
+                .with_context(|| format!("rope_scaling ({kind}) needs a number {k:?}; got {v}"))
+        };
+        Ok(match kind {
+            "default" => Self::None,
+            "linear" => Self::Linear {
+                factor: num("factor")?,
+            },
+            "llama3" => Self::Llama3 {
+                factor: num("factor")?,
+                low_freq_factor: num("low_freq_factor")?,
+                high_freq_factor: num("high_freq_factor")?,
+                original_max_position_embeddings: num("original_max_position_embeddings")?,
+            },
+            other => bail!(
+                "rope_scaling type {other:?} is not supported: use null, \"default\", \"linear\" or \"llama3\""
+            ),
+        })
+    }
+
+    /// Applies the scaling to the unscaled inverse frequencies.
+    fn apply(&self, inv_freq: &mut [f64]) {
+        match *self {
+            Self::None => {}
+            Self::Linear { factor } => inv_freq.iter_mut().for_each(|f| *f /= factor),
+            Self::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old,
+            } => {
+                let low_wavelen = old / low_freq_factor;
+                let high_wavelen = old / high_freq_factor;
+                for f in inv_freq.iter_mut() {
+                    let wavelen = 2.0 * std::f64::consts::PI / *f;
+                    if wavelen < high_wavelen {
+                        continue;
+                    }
+                    if wavelen > low_wavelen {
+                        *f /= factor;
+                    } else {
+                        let smooth = (old / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        *f = (1.0 - smooth) * *f / factor + smooth * *f;
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl LlamaConfig {
+    pub fn from_json(text: &str) -> Result<Self> {
+        let raw: serde_json::Value = serde_json::from_str(text)?;
+        Self::from_value(raw)
+    }
+
+    pub fn from_value(raw: serde_json::Value) -> Result<Self> {
+        let r: RawConfig = serde_json::from_value(raw.clone())?;
+        let family = r
+            .architectures
+            .iter()
+            .find_map(|a| Family::from_architecture(a))
+            .with_context(|| {
+                format!(
+                    "architectures is {:?}: not one of the dense families {}",
+                    r.architectures,
+                    Family::ALL.map(|f| f.architecture()).join(", ")
+                )
+            })?;
+        let nonzero = [
+            ("hidden_size", r.hidden_size),
+            ("intermediate_size", r.intermediate_size),
+            ("num_hidden_layers", r.num_hidden_layers),
+            ("num_attention_heads", r.num_attention_heads),
+            ("vocab_size", r.vocab_size),
+            ("max_position_embeddings", r.max_position_embeddings),
+        ];
+        for (name, v) in nonzero {
+            if v == 0 {
+                bail!("{name} is 0");
+            }
+        }
+        let act = r.hidden_act.as_deref().unwrap_or("silu");
+        if act != "silu" {
+            bail!("hidden_act is {act:?}: only \"silu\" is supported");
+        }
+        let heads = r.num_attention_heads;
+        let kv_heads = r.num_key_value_heads.unwrap_or(heads);
+        if kv_heads == 0 || heads % kv_heads != 0 {
+            bail!(
+                "num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            );
+        }
+        let head_dim = match r.head_dim {
+            Some(d) => d,
+            None => {
+                if r.hidden_size % heads != 0 {
+                    bail!(
+                        "hidden_size {} is not divisible by num_attention_heads {heads} (and config.json has no head_dim)",
+                        r.hidden_size
+                    );
+                }
+                r.hidden_size / heads
+            }
+        };
+        if head_dim == 0 || head_dim % 2 != 0 {
+            bail!("head_dim {head_dim} must be even and positive for RoPE");
+        }
+        if r.partial_rotary_factor.is_some_and(|f| f != 1.0) {
+            bail!("partial_rotary_factor is set: only RoPE over the whole head is supported");
+        }
+        let rope_theta = r.rope_theta.unwrap_or(10000.0);
+        if !(r.rms_norm_eps > 0.0 && rope_theta > 0.0) {
+            bail!("rms_norm_eps and rope_theta must be positive");
+        }
+        let rope_scaling = RopeScaling::parse(r.rope_scaling.as_ref())?;
+        let (qkv_bias, o_bias, mlp_bias) = match family {
+            Family::Qwen2 => (true, false, false),
+            Family::Mistral => (false, false, false),
+            Family::Llama => (r.attention_bias, r.attention_bias, r.mlp_bias),
+            Family::MiniCpm => (r.attention_bias, r.attention_bias, false),
+        };
+        let sliding_window = match family {
+            Family::Mistral => r.sliding_window,
+            Family::Qwen2 if r.use_sliding_window == Some(true) => r.sliding_window,
+            _ => None,
+        };
+        let (scale_emb, residual_scale, logit_divisor) = if family == Family::MiniCpm {
+            let need = |k: &str, v: Option<f64>| {
+                v.with_context(|| format!("MiniCPMForCausalLM needs {k} in config.json"))
+            };
+            let se = need("scale_emb", r.scale_emb)?;
+            let sd = need("scale_depth", r.scale_depth)?;
+            let dmb = need("dim_model_base", r.dim_model_base)?;
+            if !(dmb > 0.0 && se.is_finite() && sd.is_finite()) {
+                bail!("dim_model_base must be positive and scale_emb / scale_depth finite");
+            }
+            (
+                se,
+                sd / (r.num_hidden_layers as f64).sqrt(),
+                r.hidden_size as f64 / dmb,
+            )
+        } else {
+            (1.0, 1.0, 1.0)
+        };
+        Ok(Self {
+            family,
+            hidden_size: r.hidden_size,
+            intermediate_size: r.intermediate_size,
+            num_hidden_layers: r.num_hidden_layers,
+            num_attention_heads: heads,
+            num_key_value_heads: kv_heads,
+            head_dim,
+            vocab_size: r.vocab_size,
+            max_position_embeddings: r.max_position_embeddings,
+            rms_norm_eps: r.rms_norm_eps,
+            rope_theta,
+            rope_scaling,
+            tie_word_embeddings: r
+                .tie_word_embeddings
+                .unwrap_or_else(|| family.default_tied()),
+            qkv_bias,
+            o_bias,
+            mlp_bias,
+            sliding_window,
+            bos_token_id: r.bos_token_id,
+            eos_token_id: r.eos_token_id,
+            pad_token_id: r.pad_token_id,
+            scale_emb,
+            residual_scale,
+            logit_divisor,
+            raw,
+        })
+    }
+
+    /// Refuses inputs this forward pass cannot compute exactly.
+    pub fn check_length(&self, t: usize) -> Result<()> {
+        if t > self.max_position_embeddings {
+            bail!(
+                "sequence length {t} is above max_position_embeddings = {} of config.json; use --seqlen {} or less",
+                self.max_position_embeddings,
+                self.max_position_embeddings
+            );
+        }
+        if let Some(w) = self.sliding_window.filter(|&w| t > w) {
+            bail!(
+                "sequence length {t} is above sliding_window = {w}: sliding-window attention is not implemented \
+                 (below its length it is exact dense attention); use --seqlen {w} or less"
+            );
+        }
+        Ok(())
+    }
+
+    /// RoPE inverse frequencies θ^(−2j/d) for j < d/2, with `rope_scaling` applied.
+    pub fn inv_freq(&self) -> Vec<f64> {
+        let d = self.head_dim;
+        let mut f: Vec<f64> = (0..d / 2)
+            .map(|j| self.rope_theta.powf(-2.0 * j as f64 / d as f64))
+            .collect();
+        self.rope_scaling.apply(&mut f);
+        f
+    }
+
+    /// Every tensor the checkpoint must hold, with its shape, in a fixed order.
+    pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let (h, v) = (self.hidden_size, self.vocab_size);
+        let mut out = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
+        for i in 0..self.num_hidden_layers {
+            for (name, shape) in self.layer_tensors(i) {
+                out.push((format!("model.layers.{i}.{name}"), shape));
+            }
+        }
+        out.push(("model.norm.weight".to_string(), vec![h]));
+        if !self.tie_word_embeddings {
+            out.push(("lm_head.weight".to_string(), vec![v, h]));
+        }
+        out
+    }
+
+    /// Tensors of decoder layer `i`, relative to `model.layers.{i}.`, with shapes.
+    pub fn layer_tensors(&self, _i: usize) -> Vec<(String, Vec<usize>)> {
+        let (h, m) = (self.hidden_size, self.intermediate_size);
+        let q = self.num_attention_heads * self.head_dim;
+        let kv = self.num_key_value_heads * self.head_dim;
+        let mut t: Vec<(String, Vec<usize>)> = vec![
+            ("input_layernorm.weight".into(), vec![h]),
+            ("post_attention_layernorm.weight".into(), vec![h]),
+        ];
+        let projs = [
+            ("self_attn.q_proj", q, h, self.qkv_bias),
+            ("self_attn.k_proj", kv, h, self.qkv_bias),
+            ("self_attn.v_proj", kv, h, self.qkv_bias),
+            ("self_attn.o_proj", h, q, self.o_bias),
+            ("mlp.gate_proj", m, h, self.mlp_bias),
+            ("mlp.up_proj", m, h, self.mlp_bias),
+            ("mlp.down_proj", h, m, self.mlp_bias),
+        ];
+        for (name, n, k, bias) in projs {
+            t.push((format!("{name}.weight"), vec![n, k]));
+            if bias {
+                t.push((format!("{name}.bias"), vec![n]));
+            }
+        }
+        t
+    }
+}
+
+/// A Linear with an optional bias; the weight is what the quantizer replaces.
+#[derive(Debug, Clone)]
+pub struct Proj {
+    pub lin: Linear,
+    pub bias: Option<Tensor>,
+}
+
+impl Proj {
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let y = self.lin.forward(x)?;
+        match &self.bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+}
+
+/// Rotate-half RoPE on `[B, T, H, D]` for positions 0..T with the given inverse frequencies
+/// (`d/2` of them), computed in f32 and cast back.
+pub fn rope(x: &Tensor, inv_freq: &[f64]) -> candle_core::Result<Tensor> {
+    let (_, t, _, d) = x.dims4()?;
+    let half = d / 2;
+    let tag = inv_freq.iter().fold(0xcbf29ce484222325u64, |h, f| {
+        (h ^ f.to_bits()).wrapping_mul(0x100000001b3)
+    });
+    let table = |f: fn(f64) -> f64| {
+        move || {
+            let mut v = Vec::with_capacity(t * d);
+            for p in 0..t {
+                for j in 0..d {
+                    v.push(f(p as f64 * inv_freq[j % half]) as f32);
+                }
+            }
+            Tensor::from_vec(v, (1, t, 1, d), x.device())
+        }
+    };
+    let key = |name: &str| format!("dense-rope-{name}-{t}-{d}-{tag:016x}");
+    let cos = super::cached_constant(key("cos"), x.device(), table(f64::cos))?;
+    let sin = super::cached_constant(key("sin"), x.device(), table(f64::sin))?;
+    let xf = x.to_dtype(DType::F32)?;
+    let x1 = xf.narrow(3, 0, half)?;
+    let x2 = xf.narrow(3, half, half)?;
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], 3)?;
+    (xf.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?.to_dtype(x.dtype())
+}
+
+#[derive(Debug, Clone)]
+struct LayerConsts {
+    eps: f64,
+    residual: f64,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    inv_freq: Vec<f64>,
+}
+
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    pub index: usize,
+    pub input_norm: Tensor,
+    pub post_norm: Tensor,
+    pub q: Proj,
+    pub k: Proj,
+    pub v: Proj,
+    pub o: Proj,
+    pub gate_proj: Proj,
+    pub up_proj: Proj,
+    pub down_proj: Proj,
+    c: LayerConsts,
+}
+
+impl DecoderLayer {
+    pub fn load(
+        ck: &Checkpoint,
+        cfg: &LlamaConfig,
+        i: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        Self::from_tensors(cfg, i, &|name| ck.tensor(name, dtype, device))
+    }
+
+    /// Builds layer `i` from tensors fetched by full name (`model.layers.{i}.…`).
+    pub fn from_tensors(
+        cfg: &LlamaConfig,
+        i: usize,
+        get: &dyn Fn(&str) -> Result<Tensor>,
+    ) -> Result<Self> {
+        let p = format!("model.layers.{i}.");
+        let t = |name: &str| get(&format!("{p}{name}"));
+        let proj = |name: &str, bias: bool| -> Result<Proj> {
+            Ok(Proj {
+                lin: Linear {
+                    weight: t(&format!("{name}.weight"))?,
+                },
+                bias: bias.then(|| t(&format!("{name}.bias"))).transpose()?,
+            })
+        };
+        Ok(Self {
+            index: i,
+            input_norm: t("input_layernorm.weight")?,
+            post_norm: t("post_attention_layernorm.weight")?,
+            q: proj("self_attn.q_proj", cfg.qkv_bias)?,
+            k: proj("self_attn.k_proj", cfg.qkv_bias)?,
+            v: proj("self_attn.v_proj", cfg.qkv_bias)?,
+            o: proj("self_attn.o_proj", cfg.o_bias)?,
+            gate_proj: proj("mlp.gate_proj", cfg.mlp_bias)?,
+            up_proj: proj("mlp.up_proj", cfg.mlp_bias)?,
+            down_proj: proj("mlp.down_proj", cfg.mlp_bias)?,
+            c: LayerConsts {
+                eps: cfg.rms_norm_eps,
+                residual: cfg.residual_scale,
+                heads: cfg.num_attention_heads,
+                kv_heads: cfg.num_key_value_heads,
+                head_dim: cfg.head_dim,
+                inv_freq: cfg.inv_freq(),
+            },
+        })
+    }
+
+    /// The Linears of this layer in true-sequential order, with their groups.
+    pub fn linears(&self) -> Vec<(&'static str, LinearGroup)> {
+        vec![
+            ("self_attn.q_proj", LinearGroup::Qkv),
+            ("self_attn.k_proj", LinearGroup::Qkv),
+            ("self_attn.v_proj", LinearGroup::Qkv),
+            ("self_attn.o_proj", LinearGroup::O),
+            ("mlp.gate_proj", LinearGroup::GateUp),
+            ("mlp.up_proj", LinearGroup::GateUp),
+            ("mlp.down_proj", LinearGroup::Down),
+        ]
+    }
+
+    /// The Linear called `name` (as listed by [`DecoderLayer::linears`]).
+    pub fn linear_mut(&mut self, name: &str) -> Result<&mut Linear> {
+        let p = match name {
+            "self_attn.q_proj" => &mut self.q,
+            "self_attn.k_proj" => &mut self.k,
+            "self_attn.v_proj" => &mut self.v,
+            "self_attn.o_proj" => &mut self.o,
+            "mlp.gate_proj" => &mut self.gate_proj,
+            "mlp.up_proj" => &mut self.up_proj,
+            "mlp.down_proj" => &mut self.down_proj,
+            _ => bail!("layer {} has no Linear {name}", self.index),
+        };
+        Ok(&mut p.lin)
+    }
+
+    /// Runs the layer on `h` `[B, T, H]`; `capture` sees each Linear group's input, flattened to
+    /// `[B·T, K]`, in true-sequential order.
+    pub fn forward(
+        &self,
+        h: &Tensor,
+        capture: &mut dyn FnMut(LinearGroup, &Tensor) -> Result<()>,
+    ) -> Result<Tensor> {
+        let (b, t, hid) = h.dims3()?;
+        let x = rms_norm(h, &self.input_norm, self.c.eps)?;
+        capture(LinearGroup::Qkv, &x.reshape((b * t, hid))?)?;
+        let attn = self.mixer_output(h)?;
+        self.forward_from_mixer(h, &attn, capture)
+    }
+
+    /// Self-attention output `[B, T, heads·d]` (the input of o_proj).
+    pub fn mixer_output(&self, h: &Tensor) -> Result<Tensor> {
+        let c = &self.c;
+        let (b, t, _) = h.dims3()?;
+        let x = rms_norm(h, &self.input_norm, c.eps)?;
+        let heads = |p: &Proj, n: usize| -> candle_core::Result<Tensor> {
+            p.forward(&x)?.reshape((b, t, n, c.head_dim))
+        };
+        let qh = rope(&heads(&self.q, c.heads)?, &c.inv_freq)?;
+        let kh = rope(&heads(&self.k, c.kv_heads)?, &c.inv_freq)?;
+        let vh = heads(&self.v, c.kv_heads)?;
+        let f32t = |x: &Tensor| x.transpose(1, 2)?.to_dtype(DType::F32)?.contiguous();
+        let n_rep = c.heads / c.kv_heads;
+        let (qf, kf, vf) = (
+            f32t(&qh)?,
+            repeat_kv(&f32t(&kh)?, n_rep)?,
+            repeat_kv(&f32t(&vh)?, n_rep)?,
+        );
+        let scores = (qf.matmul(&kf.t()?.contiguous()?)? / (c.head_dim as f64).sqrt())?;
+        let masked = scores.broadcast_add(&causal_mask(t, h.device())?)?;
+        let p = candle_nn::ops::softmax_last_dim(&masked)?;
+        Ok(p.matmul(&vf)?
+            .transpose(1, 2)?
+            .reshape((b, t, c.heads * c.head_dim))?
+            .to_dtype(h.dtype())?)
+    }
+
+    /// o_proj, residual, MLP from the attention output; `capture` sees the inputs of the `o`,
+    /// `gate_up` and `down` groups.
+    pub fn forward_from_mixer(
+        &self,
+        h: &Tensor,
+        attn: &Tensor,
+        capture: &mut dyn FnMut(LinearGroup, &Tensor) -> Result<()>,
+    ) -> Result<Tensor> {
+        let c = &self.c;
+        let (b, t, hid) = h.dims3()?;
+        let scaled = |y: Tensor| -> candle_core::Result<Tensor> {
+            if c.residual == 1.0 {
+                Ok(y)
+            } else {
+                y * c.residual
+            }
+        };
+        capture(LinearGroup::O, &attn.reshape((b * t, ()))?)?;
+        let h = (h + scaled(self.o.forward(attn)?)?)?;
+        let m = rms_norm(&h, &self.post_norm, c.eps)?;
+        capture(LinearGroup::GateUp, &m.reshape((b * t, hid))?)?;
+        let act =
+            (candle_nn::ops::silu(&self.gate_proj.forward(&m)?)? * self.up_proj.forward(&m)?)?;
+        capture(LinearGroup::Down, &act.reshape((b * t, ()))?)?;
+        Ok((h + scaled(self.down_proj.forward(&act)?)?)?)
+    }
+}
+
+/// Embedding, final norm and head (the embedding matrix when tied).
+pub struct Model {
+    pub cfg: LlamaConfig,
+    pub dtype: DType,
+    pub device: Device,
+    pub embed_tokens: Tensor,
+    pub norm: Tensor,
+    pub lm_head: Linear,
+}
+
+impl Model {
+    pub fn from_tensors(
+        cfg: &LlamaConfig,
+        dtype: DType,
+        device: &Device,
+        get: &dyn Fn(&str) -> Result<Tensor>,
+    ) -> Result<Self> {
+        let embed_tokens = get("model.embed_tokens.weight")?;
+        let lm_head = Linear {
+            weight: if cfg.tie_word_embeddings {
+                embed_tokens.clone()
+            } else {
+                get("lm_head.weight")?
+            },
+        };
+        Ok(Self {
+            cfg: cfg.clone(),
+            dtype,
+            device: device.clone(),
+            embed_tokens,
+            norm: get("model.norm.weight")?,
+            lm_head,
+        })
+    }
+
+    pub fn check_length(&self, t: usize) -> Result<()> {
+        self.cfg.check_length(t)
+    }
+
+    /// `ids` `[B, T]` u32 → hidden states `[B, T, H]` (times `scale_emb` for MiniCPM).
+    pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        self.check_length(t)?;
+        let e = self
+            .embed_tokens
+            .index_select(&ids.flatten_all()?, 0)?
+            .reshape((b, t, ()))?;
+        Ok(if self.cfg.scale_emb == 1.0 {
+            e
+        } else {
+            (e * self.cfg.scale_emb)?
+        })
+    }
+
+    /// Final norm (divided by hidden_size / dim_model_base for MiniCPM), head; f32 logits.
+    pub fn head(&self, h: &Tensor) -> Result<Tensor> {
+        let mut x = rms_norm(h, &self.norm, self.cfg.rms_norm_eps)?;
+        if self.cfg.logit_divisor != 1.0 {
+            x = (x / self.cfg.logit_divisor)?;
+        }
+        Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+    }
+
+    /// Logits of a full forward with all layers given.
+    pub fn forward(&self, ids: &Tensor, layers: &[DecoderLayer]) -> Result<Tensor> {
+        let mut h = self.embed(ids)?;
+        for layer in layers {
+            h = layer.forward(&h, &mut |_, _| Ok(()))?;
+        }
+        self.head(&h)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(extra: serde_json::Value) -> Result<LlamaConfig> {
+        let mut v = serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+            "max_position_embeddings": 256, "rms_norm_eps": 1e-5
+        });
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        LlamaConfig::from_value(v)
+    }
+
+    #[test]
+    fn families_differ_in_biases_scalars_and_ties() {
+        let l = cfg(serde_json::json!({})).unwrap();
+        assert_eq!(l.family, Family::Llama);
+        assert_eq!(l.head_dim, 16);
+        assert!(!l.tie_word_embeddings && !l.qkv_bias);
+        assert_eq!(l.expected_tensors().len(), 1 + 2 * 9 + 2);
+        let q = cfg(
+            serde_json::json!({"architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": true}),
+        )
+        .unwrap();
+        assert!(q.qkv_bias && !q.o_bias);
+        let names: Vec<String> = q.expected_tensors().into_iter().map(|(n, _)| n).collect();
+        assert!(names.contains(&"model.layers.1.self_attn.k_proj.bias".to_string()));
+        assert!(!names.contains(&"lm_head.weight".to_string()));
+        let m = cfg(serde_json::json!({"architectures": ["MiniCPMForCausalLM"],
+            "scale_emb": 12.0, "scale_depth": 1.4, "dim_model_base": 16.0}))
+        .unwrap();
+        assert!(m.tie_word_embeddings, "MiniCPM ties by default");
+        assert_eq!(m.logit_divisor, 4.0);
+        assert!((m.residual_scale - 1.4 / 2f64.sqrt()).abs() < 1e-12);
+        let e = cfg(serde_json::json!({"architectures": ["MiniCPMForCausalLM"]})).unwrap_err();
+        assert!(format!("{e:#}").contains("scale_emb"), "{e:#}");
+    }
+
+    #[test]
+    fn lengths_beyond_the_window_or_the_positions_are_refused() {
+        let m = cfg(
+            serde_json::json!({"architectures": ["MistralForCausalLM"], "sliding_window": 128}),
+        )
+        .unwrap();
+        m.check_length(128).unwrap();
+        let e = format!("{:#}", m.check_length(129).unwrap_err());
+        assert!(e.contains("sliding_window = 128"), "{e}");
+        let e = format!("{:#}", m.check_length(257).unwrap_err());
+        assert!(e.contains("max_position_embeddings = 256"), "{e}");
+        // Qwen2 ignores sliding_window unless use_sliding_window is true.
+        let q =
+            cfg(serde_json::json!({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 16}))
+                .unwrap();
+        q.check_length(256).unwrap();
+    }
+
+    #[test]
+    fn rope_scaling_kinds() {
+        let base = cfg(serde_json::json!({})).unwrap().inv_freq();
+        let lin = cfg(serde_json::json!({"rope_scaling": {"type": "linear", "factor": 2.0}}))
+            .unwrap()
+            .inv_freq();
+        for (a, b) in base.iter().zip(&lin) {
+            assert!((a / 2.0 - b).abs() < 1e-15);
+        }
+        let l3 = cfg(serde_json::json!({"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}))
+        .unwrap()
+        .inv_freq();
+        // The highest frequency (wavelength 2π < 16) is kept, the lowest divided by 8.
+        assert_eq!(l3[0], base[0]);
+        assert!(
+            (l3[7] - base[7] / 8.0).abs() < 1e-15,
+            "{} {}",
+            l3[7],
+            base[7]
+        );
+        let e =
+            cfg(serde_json::json!({"rope_scaling": {"type": "yarn", "factor": 4.0}})).unwrap_err();
+        assert!(format!("{e:#}").contains("\"yarn\" is not supported"));
+        let e = cfg(serde_json::json!({"num_key_value_heads": 3})).unwrap_err();
+        assert!(format!("{e:#}").contains("num_key_value_heads 3"));
+    }
+
+    #[test]
+    fn rope_matches_the_sala_rope_without_scaling() {
+        let c = cfg(serde_json::json!({"rope_theta": 5000.0})).unwrap();
+        let data: Vec<f32> = (0..2 * 5 * 3 * 16)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+            .collect();
+        let x = Tensor::from_vec(data, (2, 5, 3, 16), &Device::Cpu).unwrap();
+        let a = rope(&x, &c.inv_freq()).unwrap();
+        let b = super::super::minicpm_sala::rope(&x, 5000.0).unwrap();
+        let d: f32 = (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar()
+            .unwrap();
+        assert_eq!(d, 0.0);
+    }
+}

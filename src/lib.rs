@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod eval;
 pub mod format;
+pub mod gguf;
 pub mod gptq;
 pub mod inspect;
 pub mod kernels;

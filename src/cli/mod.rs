@@ -35,6 +35,27 @@ pub enum Command {
     Inspect(InspectArgs),
     /// Writes a random-weight checkpoint for a config or preset.
     Synth(SynthArgs),
+    /// Converts a Llama-architecture GGUF file into a Hugging Face-layout BF16 folder.
+    ImportGguf(ImportGgufArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ImportGgufArgs {
+    /// The .gguf file (llama.cpp format, general.architecture = llama).
+    #[arg(long)]
+    pub gguf: PathBuf,
+    /// Output folder (written as <out>.partial, renamed when complete).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Replace --out if it exists.
+    #[arg(long)]
+    pub force: bool,
+    /// Largest output shard in bytes.
+    #[arg(long, default_value_t = DEFAULT_SHARD_BYTES)]
+    pub shard_size: u64,
+    /// Print the report as one JSON document on stdout.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -385,6 +406,19 @@ fn run(cli: Cli) -> Result<()> {
                 } else {
                     report.print_text();
                 }
+            }
+        }
+        Command::ImportGguf(a) => {
+            let report = crate::gguf::import_gguf(&crate::gguf::ImportOptions {
+                gguf: a.gguf,
+                out: a.out,
+                force: a.force,
+                shard_bytes: a.shard_size,
+            })?;
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                report.print_text();
             }
         }
         Command::PackMarlin(a) => {

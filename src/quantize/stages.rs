@@ -17,6 +17,10 @@ pub struct Stages {
     pub embed: f64,
     /// Calibration forwards (up to each capture point, the mixers, the final layer pass).
     pub forward: f64,
+    /// Of `forward`: the mixers (q/k/v/gate projections and attention) of the sparse layers.
+    pub mixer_sparse: f64,
+    /// Of `forward`: the mixers (projections and Simple-GLA) of the lightning layers.
+    pub mixer_lightning: f64,
     /// XᵀX accumulation (and saving/loading Hessian files).
     pub hessians: f64,
     /// Damped permuted Hessian, Cholesky and triangular inverse (retries included).

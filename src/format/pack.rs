@@ -125,6 +125,56 @@ pub fn pack_qweight(codes: &[u8], k: usize, n: usize, bits: u8) -> Result<Vec<i3
     Ok(words)
 }
 
+/// [`pack_qweight`] from codes in the solver's layout, `[N, K]` row-major (`codes[n][k]` is the
+/// code of `W[n][k]`), without transposing first. Each task packs a run of blocks that spans
+/// one 64-byte line of every row, so every code byte is read from memory once.
+pub fn pack_qweight_nk(codes: &[u8], n: usize, k: usize, bits: u8) -> Result<Vec<i32>> {
+    let lay = layout(bits)?;
+    ensure!(
+        k % lay.vals == 0,
+        "qweight packing needs K to be a multiple of {} for {bits}-bit codes, got K = {k}",
+        lay.vals
+    );
+    ensure!(
+        codes.len() == k * n,
+        "qweight packing got {} codes for a [K={k}, N={n}] matrix (expected {})",
+        codes.len(),
+        k * n
+    );
+    let maxq = max_code(bits);
+    if let Some(pos) = codes.par_iter().position_first(|&c| u32::from(c) > maxq) {
+        bail!(
+            "code {} at [k={}, n={}] does not fit {bits} bits (max {maxq})",
+            codes[pos],
+            pos % k,
+            pos / k
+        );
+    }
+    let blocks_per_task = (64 / lay.vals).max(1);
+    let mut words = vec![0i32; lay.packed_len(k) * n];
+    words
+        .par_chunks_mut((blocks_per_task * lay.words * n).max(1))
+        .enumerate()
+        .for_each(|(t, out)| {
+            let b0 = t * blocks_per_task;
+            let nb = out.len() / (lay.words * n);
+            let mut block = vec![0u32; lay.words];
+            for (col, row) in codes.chunks_exact(k).enumerate() {
+                for bi in 0..nb {
+                    let src = &row[(b0 + bi) * lay.vals..(b0 + bi + 1) * lay.vals];
+                    block.fill(0);
+                    for (i, &c) in src.iter().enumerate() {
+                        lay.put(&mut block, i, u32::from(c));
+                    }
+                    for (w, &v) in block.iter().enumerate() {
+                        out[(bi * lay.words + w) * n + col] = v as i32;
+                    }
+                }
+            }
+        });
+    Ok(words)
+}
+
 /// Inverse of [`pack_qweight`]: `qweight` `[K·bits/32, N]` back to codes `[K, N]`.
 pub fn unpack_qweight(words: &[i32], k: usize, n: usize, bits: u8) -> Result<Vec<u8>> {
     let lay = layout(bits)?;
@@ -426,6 +476,33 @@ mod tests {
             reference_3bit_words(&[3; 32]).to_vec()
         );
         assert_eq!(unpack_qzeros(&z, 1, 32, 3, true).unwrap(), vec![4; 32]);
+    }
+
+    #[test]
+    fn packing_from_rows_equals_packing_the_transpose() {
+        let mut rng = XorShift::new(11);
+        for bits in [2u8, 3, 4, 8] {
+            let maxq = (1u32 << bits) - 1;
+            for (n, k) in [(5, 32), (64, 256), (96, 1024), (3, 96)] {
+                if k % block_shape(bits).unwrap().0 != 0 {
+                    continue;
+                }
+                let nk: Vec<u8> = (0..n * k).map(|_| rng.below(maxq + 1) as u8).collect();
+                let mut kn = vec![0u8; k * n];
+                for r in 0..n {
+                    for c in 0..k {
+                        kn[c * n + r] = nk[r * k + c];
+                    }
+                }
+                assert_eq!(
+                    pack_qweight_nk(&nk, n, k, bits).unwrap(),
+                    pack_qweight(&kn, k, n, bits).unwrap(),
+                    "{bits} bits, [{n}, {k}]"
+                );
+            }
+        }
+        let err = pack_qweight_nk(&[16; 8], 1, 8, 4).unwrap_err().to_string();
+        assert!(err.contains("does not fit 4 bits"), "{err}");
     }
 
     #[test]

@@ -16,7 +16,8 @@ mod solver;
 pub use hessian::HessianAccumulator;
 pub use quantizer::{dequantize_code, quantize_code, QuantParams};
 #[cfg(feature = "cuda")]
-pub(crate) use solver::{check_finite, processing_order};
+pub(crate) use solver::{check_finite_one, processing_order, FactorData};
 pub use solver::{
-    gptq_quantize, rtn_quantize, ActOrder, QuantizedLinear, SolveOptions, SolveTimings,
+    factorize, gptq_quantize, gptq_quantize_factored, rtn_quantize, ActOrder, Factorization,
+    QuantizedLinear, SolveOptions, SolveTimings,
 };

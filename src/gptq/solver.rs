@@ -133,18 +133,113 @@ impl QuantizedLinear {
     }
 }
 
-/// GPTQ-quantizes `w` (`[N, K]`, any float dtype) with the Hessian `h` (`[K, K]`) of its inputs.
-/// On a CUDA device the whole solve runs there (`kernels::cuda::gptq_solve`); elsewhere on the
-/// CPU. Both follow the same steps; see the module docs.
-pub fn gptq_quantize(w: &Tensor, h: &Tensor, opts: &SolveOptions) -> Result<QuantizedLinear> {
+/// What the solve needs of one Hessian, computed once and shared by every Linear that reads the
+/// same input (q/k/v/gate, gate/up): dead columns (A.3.3), the processing order (A.3.5) and the
+/// upper Cholesky factor U of the damped, permuted H⁻¹ (A.3.6–7).
+pub struct Factorization {
+    pub k: usize,
+    /// Input columns whose diag(H) was 0.
+    pub dead: Vec<usize>,
+    /// Processing position → original column.
+    pub perm: Vec<usize>,
+    /// The damping fraction that made H factorizable.
+    pub damp_used: f64,
+    /// Seconds spent factorizing (retries included).
+    pub seconds: f64,
+    /// The act-order the processing order was made for.
+    pub act_order: ActOrder,
+    pub(crate) u: FactorData,
+}
+
+pub(crate) enum FactorData {
+    /// Column-major f32 `[K, K]`: U[r][c] is `u[c·K + r]`.
+    Cpu(Vec<f32>),
+    /// Row-major f32 `[K, K]` on the GPU.
     #[cfg(feature = "cuda")]
-    if w.device().is_cuda() && h.device().same_device(w.device()) {
-        opts.validate()?;
-        matrix_dims(w, "weight", &opts.module)?;
-        matrix_dims(h, "Hessian", &opts.module)?;
-        return crate::kernels::cuda::gptq_solve(w, h, opts);
+    Cuda(Tensor),
+}
+
+impl FactorData {
+    /// The CPU factor, if this is one (the only kind in a CPU-only build).
+    #[cfg(test)]
+    #[allow(irrefutable_let_patterns)]
+    fn cpu(&self) -> Option<&[f32]> {
+        if let FactorData::Cpu(u) = self {
+            Some(u)
+        } else {
+            None
+        }
     }
-    Ok(solve(w, h, opts)?.0)
+}
+
+/// Factorizes `h` (`[K, K]`) for the act-order and damping of `opts`: on the GPU when `h` is
+/// there, else on the CPU (f64 either way).
+pub fn factorize(h: &Tensor, opts: &SolveOptions) -> Result<Factorization> {
+    opts.validate()?;
+    let (hk, hk2) = matrix_dims(h, "Hessian", &opts.module)?;
+    ensure!(
+        hk == hk2,
+        "module {}: Hessian is [{hk}, {hk2}], not square",
+        opts.module
+    );
+    #[cfg(feature = "cuda")]
+    if h.device().is_cuda() {
+        return crate::kernels::cuda::factorize(h, opts);
+    }
+    let t = Instant::now();
+    let k = hk;
+    let mut h = finite_f32(h, "Hessian", &opts.module)?;
+    let dead: Vec<usize> = (0..k).filter(|&i| h[i * k + i] == 0.0).collect();
+    for &i in &dead {
+        h[i * k + i] = 1.0;
+    }
+    let diag: Vec<f32> = (0..k).map(|i| h[i * k + i]).collect();
+    let perm = processing_order(&diag, opts.act_order);
+    let (u, damp_used) = inverse_cholesky_upper(&h, k, &perm, opts.damp, &opts.module)?;
+    Ok(Factorization {
+        k,
+        dead,
+        perm,
+        damp_used,
+        seconds: t.elapsed().as_secs_f64(),
+        act_order: opts.act_order,
+        u: FactorData::Cpu(u),
+    })
+}
+
+/// GPTQ-quantizes `w` (`[N, K]`, any float dtype) with the Hessian `h` (`[K, K]`) of its inputs.
+/// On a CUDA device the whole solve runs there (`kernels::cuda`); elsewhere on the CPU. Both
+/// follow the same steps; see the module docs.
+pub fn gptq_quantize(w: &Tensor, h: &Tensor, opts: &SolveOptions) -> Result<QuantizedLinear> {
+    gptq_quantize_factored(w, &factorize(h, opts)?, opts)
+}
+
+/// [`gptq_quantize`] with a [`Factorization`] made by [`factorize`] (once per Hessian). The
+/// reported `timings.factor_s` is the factorization's own time.
+pub fn gptq_quantize_factored(
+    w: &Tensor,
+    f: &Factorization,
+    opts: &SolveOptions,
+) -> Result<QuantizedLinear> {
+    opts.validate()?;
+    let (_, k) = matrix_dims(w, "weight", &opts.module)?;
+    ensure!(
+        k == f.k,
+        "module {}: the Hessian has K = {} but the weight has K = {k} input columns",
+        opts.module,
+        f.k
+    );
+    ensure!(
+        f.act_order == opts.act_order,
+        "internal: factorization made for act-order {:?}, solve asks for {:?}",
+        f.act_order,
+        opts.act_order
+    );
+    match &f.u {
+        FactorData::Cpu(u) => Ok(solve_factored(w, f, u, opts)?.0),
+        #[cfg(feature = "cuda")]
+        FactorData::Cuda(u) => crate::kernels::cuda::gptq_solve(w, f, u, opts),
+    }
 }
 
 /// A.3.5: the processing order (processing position → original column) from diag(H) (dead
@@ -158,12 +253,10 @@ pub(crate) fn processing_order(diag: &[f32], act_order: ActOrder) -> Vec<usize> 
     perm
 }
 
-/// Refuses NaN/Inf in W or H with the position of the first one (the message of the CPU solve).
+/// Refuses NaN/Inf in `t` with the position of the first one (the message of the CPU solve).
 #[cfg(feature = "cuda")]
-pub(crate) fn check_finite(w: &Tensor, h: &Tensor, opts: &SolveOptions) -> Result<()> {
-    finite_f32(w, "weight", &opts.module)?;
-    finite_f32(h, "Hessian", &opts.module)?;
-    Ok(())
+pub(crate) fn check_finite_one(t: &Tensor, what: &str, module: &str) -> Result<()> {
+    finite_f32(t, what, module).map(|_| ())
 }
 
 /// Round-to-nearest with the same quantizer and groups in natural order, no error feedback.
@@ -211,23 +304,28 @@ pub fn rtn_quantize(w: &Tensor, opts: &SolveOptions) -> Result<QuantizedLinear> 
 /// The solve behind [`gptq_quantize`]. Besides the result it hands back the buffer W, which the loop
 /// turned into Q (`[N, K]` in processing order), and `perm` (processing position → original column),
 /// so tests can check Q against [`QuantizedLinear::dequantize`].
+#[cfg(test)]
 fn solve(
     w: &Tensor,
     h: &Tensor,
     opts: &SolveOptions,
 ) -> Result<(QuantizedLinear, Vec<f32>, Vec<usize>)> {
-    opts.validate()?;
+    let f = factorize(&h.to_device(&Device::Cpu)?, opts)?;
+    let u = f.u.cpu().expect("a CPU Hessian gives a CPU factorization");
+    solve_factored(&w.to_device(&Device::Cpu)?, &f, u, opts)
+}
+
+/// The CPU solve of `w` with the factorization `f` (whose U is `u`, column-major).
+fn solve_factored(
+    w: &Tensor,
+    f: &Factorization,
+    u: &[f32],
+    opts: &SolveOptions,
+) -> Result<(QuantizedLinear, Vec<f32>, Vec<usize>)> {
     let module = &opts.module;
     let quant = &opts.quant;
     let (n, k) = matrix_dims(w, "weight", module)?;
-    let (hk, hk2) = matrix_dims(h, "Hessian", module)?;
-    ensure!(
-        hk == k && hk2 == k,
-        "module {module}: Hessian is [{hk}, {hk2}] but the weight has K = {k} input columns"
-    );
-    let t_factor = Instant::now();
     let mut w = finite_f32(w, "weight", module)?;
-    let mut h = finite_f32(h, "Hessian", module)?;
     let g = quant.group_len(k);
     let n_groups = quant.n_groups(k);
 
@@ -235,9 +333,7 @@ fn solve(
     let whole = (quant.group_size < 0).then(|| quant.find_params(&w, k, 0..k));
 
     // A.3.3: an input that was always zero has no curvature; its weights cannot matter, drop them.
-    let dead: Vec<usize> = (0..k).filter(|&i| h[i * k + i] == 0.0).collect();
-    for &i in &dead {
-        h[i * k + i] = 1.0;
+    for &i in &f.dead {
         for row in w.chunks_mut(k) {
             row[i] = 0.0;
         }
@@ -252,8 +348,7 @@ fn solve(
         None => natural_group_params(quant, &w, k),
     };
 
-    let diag: Vec<f32> = (0..k).map(|i| h[i * k + i]).collect();
-    let perm = processing_order(&diag, opts.act_order);
+    let perm = f.perm.clone();
     let mut invperm = vec![0usize; k];
     for (c, &j) in perm.iter().enumerate() {
         invperm[j] = c;
@@ -274,12 +369,7 @@ fn solve(
         });
     drop(w);
     let mut w = w_perm;
-
-    // A.3.6–7: damping and the upper Cholesky factor U of H⁻¹ (H⁻¹ = UᵀU), in processing order,
-    // column-major: U[r][c] is u[c·K + r].
-    let (u, damp_used) = inverse_cholesky_upper(&h, k, &perm, opts.damp, module)?;
-    drop(h);
-    let factor_s = t_factor.elapsed().as_secs_f64();
+    let (damp_used, factor_s) = (f.damp_used, f.seconds);
 
     // A.5: the blocked column loop. W becomes Q column by column.
     let t_loop = Instant::now();
@@ -370,7 +460,7 @@ fn solve(
         g_idx,
         loss,
         damp_used,
-        dead_columns: dead.len(),
+        dead_columns: f.dead.len(),
         timings: SolveTimings { factor_s, loop_s },
     };
     Ok((linear, w, perm))

@@ -25,6 +25,7 @@ use cudarc::cusolver::{sys as cusolver, DnHandle};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use crate::gptq::{ActOrder, QuantizedLinear, SolveOptions, SolveTimings};
+use crate::gptq::{FactorData, Factorization};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gptq.ptx"));
 const MODULE: &str = "soar_gptq_kernels";
@@ -200,16 +201,6 @@ pub fn xtx_add(xtx: &Tensor, x: &Tensor) -> Result<Tensor> {
     Ok(out)
 }
 
-/// Σ |t| as f64: finite exactly when no element is NaN or ±Inf (for the sizes GPTQ sees).
-fn all_finite(t: &Tensor) -> Result<bool> {
-    let s = t
-        .abs()?
-        .sum_all()?
-        .to_dtype(DType::F64)?
-        .to_scalar::<f64>()?;
-    Ok(s.is_finite())
-}
-
 /// The diagonal of a contiguous `[K, K]` tensor, on the host.
 fn diagonal(h: &Tensor) -> Result<Vec<f32>> {
     let k = h.dim(0)?;
@@ -222,39 +213,22 @@ fn upload<T: DeviceRepr>(stream: &Arc<CudaStream>, v: &[T]) -> Result<CudaSlice<
     Ok(stream.clone_htod(v)?)
 }
 
-/// The GPTQ solve of `w` `[N, K]` with Hessian `h` `[K, K]`, both on one CUDA device, with the
-/// semantics of the CPU solver (`solver.rs`): dead columns, act-order, damping escalation, the
-/// blocked column loop. Codes, scales and zeros come back to the host.
-pub fn gptq_solve(w: &Tensor, h: &Tensor, opts: &SolveOptions) -> Result<QuantizedLinear> {
+/// The factorization of a Hessian on its GPU (the twin of `solver::factorize`): dead columns,
+/// the processing order, and U (row-major f32) of the damped, permuted H⁻¹ in f64.
+pub fn factorize(h: &Tensor, opts: &SolveOptions) -> Result<Factorization> {
     let module = &opts.module;
-    let quant = &opts.quant;
-    let dev = cuda(w.device())?;
+    let dev = cuda(h.device())?;
     let stream = dev.cuda_stream();
-    let (n, k) = w.dims2()?;
-    ensure!(
-        h.dims() == [k, k],
-        "module {module}: Hessian is {:?} but the weight has K = {k} input columns",
-        h.dims()
-    );
-    let t_factor = Instant::now();
+    let k = h.dim(0)?;
+    let t = Instant::now();
     let mut trace = Trace::new(&stream, k);
-    let w = w.to_dtype(DType::F32)?.contiguous()?;
     let h = h.to_dtype(DType::F32)?.contiguous()?;
-    let finite = all_finite(&w)? && all_finite(&h)?;
-    trace.lap("finite check")?;
-    if !finite {
-        // The CPU checks name the first bad element.
-        let opts_cpu = SolveOptions {
-            module: module.clone(),
-            ..opts.clone()
-        };
-        crate::gptq::check_finite(&w, &h, &opts_cpu)?;
-        bail!("module {module}: weight or Hessian contains NaN or Inf");
+    if count_nonfinite(dev, &h)? > 0 {
+        // The CPU check names the first bad element.
+        crate::gptq::check_finite_one(&h, "Hessian", module)?;
+        bail!("module {module}: Hessian contains NaN or Inf");
     }
-    let g = quant.group_len(k);
-    let n_groups = quant.n_groups(k);
-    let maxq = quant.maxq();
-
+    trace.lap("finite check")?;
     // Dead columns and the processing order, exactly as on the CPU (A.3.3, A.3.5).
     let mut diag = diagonal(&h)?;
     let dead: Vec<usize> = (0..k).filter(|&i| diag[i] == 0.0).collect();
@@ -262,8 +236,65 @@ pub fn gptq_solve(w: &Tensor, h: &Tensor, opts: &SolveOptions) -> Result<Quantiz
         diag[i] = 1.0;
     }
     let perm = crate::gptq::processing_order(&diag, opts.act_order);
-    trace.lap("diag + order")?;
     let mean_diag = diag.iter().map(|&d| d as f64).sum::<f64>() / k as f64;
+    trace.lap("diag + order")?;
+    let (u, damp_used) = inverse_cholesky_upper(dev, &h, k, &perm, opts.damp, mean_diag, module)?;
+    stream.synchronize()?;
+    Ok(Factorization {
+        k,
+        dead,
+        perm,
+        damp_used,
+        seconds: t.elapsed().as_secs_f64(),
+        act_order: opts.act_order,
+        u: FactorData::Cuda(wrap(u, dev, &[k, k])),
+    })
+}
+
+/// Elements of a contiguous f32 CUDA tensor that are NaN or ±Inf.
+fn count_nonfinite(dev: &CudaDevice, t: &Tensor) -> Result<u32> {
+    let stream = dev.cuda_stream();
+    let n = t.elem_count();
+    let count: CudaSlice<u32> = stream.alloc_zeros(1)?;
+    let (tp, cp) = (tensor_ptr(t)?, slice_ptr(&count, &stream));
+    launch(
+        dev,
+        "count_nonfinite",
+        cfg((blocks(n, 1024).min(4096), 1, 1), (256, 1, 1)),
+        &[&tp, &(n as u64), &cp],
+    )?;
+    Ok(stream.clone_dtoh(&count)?[0])
+}
+
+/// The GPTQ solve of `w` `[N, K]` on its CUDA device with the factorization `f` (U = `u`, on
+/// the same device), with the semantics of the CPU solver (`solver.rs`). Codes, scales and zeros
+/// come back to the host.
+pub fn gptq_solve(
+    w: &Tensor,
+    f: &Factorization,
+    u: &Tensor,
+    opts: &SolveOptions,
+) -> Result<QuantizedLinear> {
+    let module = &opts.module;
+    let quant = &opts.quant;
+    let dev = cuda(w.device())?;
+    ensure!(
+        u.device().same_device(w.device()),
+        "internal: module {module}: the weight and its factorization are on different devices"
+    );
+    let stream = dev.cuda_stream();
+    let (n, k) = w.dims2()?;
+    let t_prep = Instant::now();
+    let mut trace = Trace::new(&stream, k);
+    let w = w.to_dtype(DType::F32)?.contiguous()?;
+    if count_nonfinite(dev, &w)? > 0 {
+        crate::gptq::check_finite_one(&w, "weight", module)?;
+        bail!("module {module}: weight contains NaN or Inf");
+    }
+    let g = quant.group_len(k);
+    let n_groups = quant.n_groups(k);
+    let maxq = quant.maxq();
+    let (dead, perm, damp_used) = (&f.dead, &f.perm, f.damp_used);
 
     let mut scales: CudaSlice<f32> = stream.alloc_zeros(n_groups * n)?;
     let mut zeros: CudaSlice<f32> = stream.alloc_zeros(n_groups * n)?;
@@ -306,7 +337,7 @@ pub fn gptq_solve(w: &Tensor, h: &Tensor, opts: &SolveOptions) -> Result<Quantiz
         w
     } else {
         let mut keep = vec![1f32; k];
-        for &i in &dead {
+        for &i in dead {
             keep[i] = 0.0;
         }
         w.broadcast_mul(&Tensor::from_vec(keep, (1, k), w.device())?)?
@@ -325,14 +356,9 @@ pub fn gptq_solve(w: &Tensor, h: &Tensor, opts: &SolveOptions) -> Result<Quantiz
         .contiguous()?;
     drop(w);
     trace.lap("params + permute W")?;
-
-    let (u, damp_used) = inverse_cholesky_upper(dev, &h, k, &perm, opts.damp, mean_diag, module)?;
-    drop(h);
-    stream.synchronize()?;
-    let factor_s = t_factor.elapsed().as_secs_f64();
+    let factor_s = f.seconds;
 
     // A.5 on the GPU.
-    let t_loop = Instant::now();
     let bs = opts.block_size;
     let blas = dev.cublas_handle();
     ensure!(
@@ -346,7 +372,7 @@ pub fn gptq_solve(w: &Tensor, h: &Tensor, opts: &SolveOptions) -> Result<Quantiz
     let perm_i32: Vec<i32> = perm.iter().map(|&j| j as i32).collect();
     let perm_d = upload(&stream, &perm_i32)?;
     let wp = tensor_ptr(&w_perm)?;
-    let up = slice_ptr(&u, &stream);
+    let up = tensor_ptr(u)?;
     let (codes_p, err1_p, loss_p) = (
         slice_ptr(&codes, &stream),
         slice_ptr(&err1, &stream),
@@ -419,7 +445,7 @@ pub fn gptq_solve(w: &Tensor, h: &Tensor, opts: &SolveOptions) -> Result<Quantiz
     let scales = stream.clone_dtoh(&scales)?;
     let zeros = stream.clone_dtoh(&zeros)?;
     let loss_rows = stream.clone_dtoh(&loss)?;
-    let loop_s = t_loop.elapsed().as_secs_f64();
+    let loop_s = t_prep.elapsed().as_secs_f64();
     drop(w_perm);
     if loss_rows.iter().any(|l| !l.is_finite()) {
         bail!("module {module}: the GPU solve produced a non-finite loss (damp {damp_used})");
@@ -545,9 +571,9 @@ fn inverse_cholesky_upper(
     let tr_work: CudaSlice<u8> = unsafe { stream.alloc(dev_bytes.max(1)) }?;
     let tr_work_p = slice_ptr(&tr_work, &stream);
     let mut host_work = vec![0u8; host_bytes.max(1)];
-    // L⁻¹ through cuSOLVER trtri (default) or a cuBLAS triangular solve against I
-    // (SOAR_GPTQ_INVERSE=trsm), kept selectable for the benchmark.
-    let use_trsm = std::env::var("SOAR_GPTQ_INVERSE").is_ok_and(|v| v == "trsm");
+    // L⁻¹ by a cuBLAS triangular solve against I (measured faster on the H200 than cuSOLVER's
+    // trtri: 115 vs 184 ms at K = 16384), or trtri with SOAR_GPTQ_INVERSE=trtri.
+    let use_trsm = !std::env::var("SOAR_GPTQ_INVERSE").is_ok_and(|v| v == "trtri");
     let inv: Option<CudaSlice<f64>> = if use_trsm {
         Some(unsafe { stream.alloc(k * k) }?)
     } else {

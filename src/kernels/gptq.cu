@@ -262,3 +262,14 @@ extern "C" __global__ void set_identity_f64(double* __restrict__ x, int k) {
     int j = blockIdx.y;
     if (i < k) x[(size_t)j * k + i] = i == j ? 1.0 : 0.0;
 }
+
+// count[0] += the number of NaN or ±Inf elements of x (grid-stride).
+extern "C" __global__ void count_nonfinite(const float* __restrict__ x, unsigned long long n,
+                                           unsigned int* __restrict__ count) {
+    unsigned int bad = 0;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        bad += !isfinite(x[i]);
+    for (int off = 16; off > 0; off >>= 1) bad += __shfl_down_sync(0xffffffffu, bad, off);
+    if ((threadIdx.x & 31) == 0 && bad) atomicAdd(count, bad);
+}

@@ -411,6 +411,58 @@ impl AnyLayer {
             Self::Dense(l) => l.forward_from_mixer(h, attn, capture),
         }
     }
+
+    /// What kind of mixer the layer has: `minicpm4` and `lightning-attn` (SALA) or `attention`.
+    pub fn mixer_name(&self) -> &'static str {
+        match self {
+            Self::Sala(l) => match l.kind {
+                super::MixerKind::Sparse => "minicpm4",
+                super::MixerKind::Lightning => "lightning-attn",
+            },
+            Self::Dense(_) => "attention",
+        }
+    }
+
+    /// The input RMSNorm of `h`: the input of the q/k/v group.
+    pub fn input_norm(&self, h: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Sala(l) => l.input_norm(h),
+            Self::Dense(l) => l.input_norm(h),
+        }
+    }
+
+    /// `h + o_proj(attn)·residual` (the pieces of [`forward_from_mixer`](Self::forward_from_mixer),
+    /// for the quantizer's per-stage caches).
+    pub fn attn_residual(&self, h: &Tensor, attn: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Sala(l) => l.attn_residual(h, attn),
+            Self::Dense(l) => l.attn_residual(h, attn),
+        }
+    }
+
+    /// The post-attention RMSNorm of `h`: the input of the gate/up group.
+    pub fn mlp_input(&self, h: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Sala(l) => l.mlp_input(h),
+            Self::Dense(l) => l.mlp_input(h),
+        }
+    }
+
+    /// `silu(gate_proj(m)) · up_proj(m)`: the input of down_proj.
+    pub fn mlp_act(&self, m: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Sala(l) => l.mlp_act(m),
+            Self::Dense(l) => l.mlp_act(m),
+        }
+    }
+
+    /// `h + down_proj(act)·residual`: the layer's output.
+    pub fn mlp_residual(&self, h: &Tensor, act: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Sala(l) => l.mlp_residual(h, act),
+            Self::Dense(l) => l.mlp_residual(h, act),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -624,23 +624,48 @@ impl DecoderLayer {
         attn: &Tensor,
         capture: &mut dyn FnMut(LinearGroup, &Tensor) -> Result<()>,
     ) -> Result<Tensor> {
-        let c = &self.c;
         let (b, t, hid) = h.dims3()?;
-        let scaled = |y: Tensor| -> candle_core::Result<Tensor> {
-            if c.residual == 1.0 {
-                Ok(y)
-            } else {
-                y * c.residual
-            }
-        };
         capture(LinearGroup::O, &attn.reshape((b * t, ()))?)?;
-        let h = (h + scaled(self.o.forward(attn)?)?)?;
-        let m = rms_norm(&h, &self.post_norm, c.eps)?;
+        let h = self.attn_residual(h, attn)?;
+        let m = self.mlp_input(&h)?;
         capture(LinearGroup::GateUp, &m.reshape((b * t, hid))?)?;
-        let act =
-            (candle_nn::ops::silu(&self.gate_proj.forward(&m)?)? * self.up_proj.forward(&m)?)?;
+        let act = self.mlp_act(&m)?;
         capture(LinearGroup::Down, &act.reshape((b * t, ()))?)?;
-        Ok((h + scaled(self.down_proj.forward(&act)?)?)?)
+        self.mlp_residual(&h, &act)
+    }
+
+    /// The branch output scaled by the residual factor (1 outside MiniCPM).
+    fn scaled(&self, y: Tensor) -> Result<Tensor> {
+        Ok(if self.c.residual == 1.0 {
+            y
+        } else {
+            (y * self.c.residual)?
+        })
+    }
+
+    /// The input RMSNorm of `h` (the input of q/k/v).
+    pub fn input_norm(&self, h: &Tensor) -> Result<Tensor> {
+        Ok(rms_norm(h, &self.input_norm, self.c.eps)?)
+    }
+
+    /// `h + o_proj(attn)·residual`: the state after attention.
+    pub fn attn_residual(&self, h: &Tensor, attn: &Tensor) -> Result<Tensor> {
+        Ok((h + self.scaled(self.o.forward(attn)?)?)?)
+    }
+
+    /// The post-attention RMSNorm of `h` (the input of gate_proj and up_proj).
+    pub fn mlp_input(&self, h: &Tensor) -> Result<Tensor> {
+        Ok(rms_norm(h, &self.post_norm, self.c.eps)?)
+    }
+
+    /// `silu(gate_proj(m)) · up_proj(m)`: the input of down_proj.
+    pub fn mlp_act(&self, m: &Tensor) -> Result<Tensor> {
+        Ok((candle_nn::ops::silu(&self.gate_proj.forward(m)?)? * self.up_proj.forward(m)?)?)
+    }
+
+    /// `h + down_proj(act)·residual`: the layer's output.
+    pub fn mlp_residual(&self, h: &Tensor, act: &Tensor) -> Result<Tensor> {
+        Ok((h + self.scaled(self.down_proj.forward(act)?)?)?)
     }
 }
 

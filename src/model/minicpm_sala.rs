@@ -405,21 +405,44 @@ impl DecoderLayer {
         attn: &Tensor,
         capture: &mut dyn FnMut(LinearGroup, &Tensor) -> Result<()>,
     ) -> Result<Tensor> {
-        let c = &self.cfg;
         let (b, t, hid) = h.dims3()?;
-        let o_in = attn.reshape((b * t, ()))?;
-        capture(LinearGroup::O, &o_in)?;
+        capture(LinearGroup::O, &attn.reshape((b * t, ()))?)?;
+        let h = self.attn_residual(h, attn)?;
+        let m = self.mlp_input(&h)?;
+        capture(LinearGroup::GateUp, &m.reshape((b * t, hid))?)?;
+        let act = self.mlp_act(&m)?;
+        capture(LinearGroup::Down, &act.reshape((b * t, ()))?)?;
+        self.mlp_residual(&h, &act)
+    }
+
+    /// `h + o_proj(attn)·residual`: the state after the mixer branch. The pieces of
+    /// [`forward_from_mixer`](Self::forward_from_mixer), for the quantizer, which keeps each
+    /// stage's result once the Linears before it are quantized instead of recomputing them.
+    pub fn attn_residual(&self, h: &Tensor, attn: &Tensor) -> Result<Tensor> {
         let o_proj = match &self.mixer {
             Mixer::Sparse { o, .. } | Mixer::Lightning { o, .. } => o,
         };
-        let h = (h + (o_proj.forward(attn)? * c.residual)?)?;
-        let m = rms_norm(&h, &self.post_norm, c.eps)?;
-        capture(LinearGroup::GateUp, &m.reshape((b * t, hid))?)?;
-        let act =
-            (candle_nn::ops::silu(&self.gate_proj.forward(&m)?)? * self.up_proj.forward(&m)?)?;
-        capture(LinearGroup::Down, &act.reshape((b * t, ()))?)?;
-        let h = (h + (self.down_proj.forward(&act)? * c.residual)?)?;
-        Ok(h)
+        Ok((h + (o_proj.forward(attn)? * self.cfg.residual)?)?)
+    }
+
+    /// The mixer input: the input RMSNorm of `h` (the input of q/k/v and the attention gate).
+    pub fn input_norm(&self, h: &Tensor) -> Result<Tensor> {
+        Ok(rms_norm(h, &self.input_norm, self.cfg.eps)?)
+    }
+
+    /// The MLP input: the post-attention RMSNorm of `h` (the input of gate_proj and up_proj).
+    pub fn mlp_input(&self, h: &Tensor) -> Result<Tensor> {
+        Ok(rms_norm(h, &self.post_norm, self.cfg.eps)?)
+    }
+
+    /// `silu(gate_proj(m)) · up_proj(m)`: the input of down_proj.
+    pub fn mlp_act(&self, m: &Tensor) -> Result<Tensor> {
+        Ok((candle_nn::ops::silu(&self.gate_proj.forward(m)?)? * self.up_proj.forward(m)?)?)
+    }
+
+    /// `h + down_proj(act)·residual`: the layer's output.
+    pub fn mlp_residual(&self, h: &Tensor, act: &Tensor) -> Result<Tensor> {
+        Ok((h + (self.down_proj.forward(act)? * self.cfg.residual)?)?)
     }
 }
 

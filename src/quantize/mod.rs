@@ -21,7 +21,6 @@ use crate::model::{AnyConfig, AnyLayer, AnyModel, LinearGroup};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use journal::{Journal, JournalLayer, Packed};
-use rayon::prelude::*;
 pub use report::{ModuleRow, QuantizeReport};
 use stages::{Preflight, StageClock, Stages};
 use std::collections::BTreeMap;
@@ -172,15 +171,9 @@ pub fn peak_rss_bytes() -> Option<u64> {
 
 fn pack(q: &QuantizedLinear, bits: u8, v1: bool) -> Result<Packed> {
     let (n, k) = (q.n, q.k);
-    let mut codes_kn = vec![0u8; k * n];
-    codes_kn.par_chunks_mut(n).enumerate().for_each(|(c, row)| {
-        for (r, v) in row.iter_mut().enumerate() {
-            *v = q.codes[r * k + c];
-        }
-    });
     let groups = q.n_groups();
     Ok(Packed {
-        qweight: format::pack_qweight(&codes_kn, k, n, bits)?,
+        qweight: format::pack::pack_qweight_nk(&q.codes, n, k, bits)?,
         qzeros: format::pack_qzeros(&q.zeros, groups, n, bits, v1)?,
         scales_f16: format::f32_to_f16_le_bytes(&q.scales),
         g_idx: q.g_idx.clone(),
@@ -242,22 +235,55 @@ fn relative_output_error(w: &Tensor, q: &Tensor, h: &Tensor) -> Result<f64> {
     })
 }
 
+/// Per-batch results of the current layer kept across true-sequential subsets.
+#[derive(Default)]
+struct LayerCache {
+    /// The mixer's gated output (input of o_proj), after q/k/v/gate are quantized.
+    mixer: Option<Vec<Tensor>>,
+    /// `h + o_proj(mixer)·residual`, after o_proj is quantized.
+    h1: Option<Vec<Tensor>>,
+    /// The MLP activation (input of down_proj), after gate/up are quantized.
+    act: Option<Vec<Tensor>>,
+}
+
+impl LayerCache {
+    /// The input of group `g` for batch `bi`, flattened to `[B·T, K]`.
+    fn input(
+        &self,
+        layer: &AnyLayer,
+        g: LinearGroup,
+        states: &[Tensor],
+        bi: usize,
+    ) -> Result<Tensor> {
+        let flat = |x: &Tensor| -> Result<Tensor> {
+            let k = x.dim(candle_core::D::Minus1)?;
+            Ok(x.reshape(((), k))?)
+        };
+        match g {
+            LinearGroup::Qkv => flat(&layer.input_norm(&states[bi])?),
+            LinearGroup::O => flat(&self.mixer.as_ref().expect("mixer computed")[bi]),
+            LinearGroup::GateUp => {
+                flat(&layer.mlp_input(&self.h1.as_ref().expect("h1 computed")[bi])?)
+            }
+            LinearGroup::Down => flat(&self.act.as_ref().expect("act computed")[bi]),
+        }
+    }
+}
+
 /// Runs `layer` over all hidden-state batches, feeding the inputs of `groups` to their
-/// accumulators and stopping each forward after the last wanted group. With `mixer` (the
-/// mixer outputs per batch, computed after q/k/v/gate were quantized), the forward starts from
-/// them instead of recomputing attention. Time up to each capture is charged to the forward,
-/// the accumulation itself to the Hessians.
+/// accumulators and stopping each forward after the last wanted group (all groups at once:
+/// `--no-true-sequential`). Time up to each capture is charged to the forward, the accumulation
+/// itself to the Hessians.
 fn accumulate(
     layer: &AnyLayer,
     states: &[Tensor],
-    mixer: Option<&[Tensor]>,
     groups: &[LinearGroup],
     acc: &mut BTreeMap<LinearGroup, HessianAccumulator>,
     clock: &mut StageClock,
     stages: &mut Stages,
 ) -> Result<()> {
     let last = *groups.iter().max().expect("at least one group");
-    for (bi, h) in states.iter().enumerate() {
+    for h in states {
         let mut capture = |g: LinearGroup, x: &Tensor| -> Result<()> {
             if groups.contains(&g) {
                 stages.forward += clock.lap()?;
@@ -272,11 +298,7 @@ fn accumulate(
             }
             Ok(())
         };
-        let r = match mixer {
-            Some(m) => layer.forward_from_mixer(h, &m[bi], &mut capture),
-            None => layer.forward(h, &mut capture),
-        };
-        match r {
+        match layer.forward(h, &mut capture) {
             Ok(_) => {}
             Err(e) if e.downcast_ref::<StopForward>().is_some() => {}
             Err(e) => return Err(e),
@@ -538,6 +560,38 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     Ok(report)
 }
 
+/// A finished layer whose journal file is being written (and hashed) on a background thread
+/// while the next layer computes.
+struct PendingLayer {
+    index: usize,
+    rows: Vec<ModuleRow>,
+    seconds: f64,
+    write: std::thread::JoinHandle<Result<(String, String)>>,
+}
+
+/// Waits for the pending layer's file and records the layer in the journal.
+fn flush_pending(
+    pending: &mut Option<PendingLayer>,
+    journal: &mut Journal,
+    jdir: &Path,
+) -> Result<()> {
+    if let Some(p) = pending.take() {
+        let (file, sha256) = p
+            .write
+            .join()
+            .map_err(|_| anyhow!("the journal writer thread panicked"))??;
+        journal.layers.push(JournalLayer {
+            index: p.index,
+            file,
+            sha256,
+            rows: p.rows,
+            seconds: p.seconds,
+        });
+        journal.save(jdir)?;
+    }
+    Ok(())
+}
+
 #[allow(clippy::too_many_arguments)]
 fn run_layers(
     opts: &QuantizeOptions,
@@ -550,6 +604,39 @@ fn run_layers(
     jdir: &Path,
     journal: &mut Journal,
     stages: &mut Stages,
+) -> Result<()> {
+    let mut pending = None;
+    let r = run_layers_inner(
+        opts,
+        cfg,
+        ck,
+        windows,
+        plan,
+        v1,
+        quant,
+        jdir,
+        journal,
+        stages,
+        &mut pending,
+    );
+    // Whatever happened, a layer that finished is recorded, so --resume can continue after it.
+    let flushed = flush_pending(&mut pending, journal, jdir);
+    r.and(flushed)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_layers_inner(
+    opts: &QuantizeOptions,
+    cfg: &AnyConfig,
+    ck: &Checkpoint,
+    windows: &[Vec<u32>],
+    plan: &[Vec<(String, bool)>],
+    v1: bool,
+    quant: &QuantParams,
+    jdir: &Path,
+    journal: &mut Journal,
+    stages: &mut Stages,
+    pending: &mut Option<PendingLayer>,
 ) -> Result<()> {
     let mut clock = StageClock::new(&opts.device);
     let model =
@@ -602,7 +689,7 @@ fn run_layers(
         };
         let mut rows = vec![];
         let mut packed: Vec<(String, Packed)> = vec![];
-        let mut mixer: Option<Vec<Tensor>> = None;
+        let mut cache = LayerCache::default();
         for subset in subsets {
             let names: Vec<(&str, LinearGroup)> = layer
                 .linears()
@@ -635,15 +722,49 @@ fn run_layers(
                     .collect::<Vec<_>>()
                     .join("+")
             ));
-            // After the qkv subset, the mixer output is fixed: compute it once per batch.
-            if opts.true_sequential && subset[0] != LinearGroup::Qkv && mixer.is_none() {
-                pb.set_message(format!("layer {i}: attention"));
-                mixer = Some(
-                    states
-                        .iter()
-                        .map(|h| layer.mixer_output(h))
-                        .collect::<Result<Vec<_>>>()?,
-                );
+            // True-sequential: once the Linears before a subset are quantized, its input is
+            // fixed; compute it once per batch and keep it (the mixer output for o_proj, the
+            // post-attention state for gate/up, the MLP activation for down_proj).
+            if opts.true_sequential && calibrate {
+                let t = clock.lap()?;
+                stages.forward += t;
+                match subset[0] {
+                    LinearGroup::Qkv => {}
+                    LinearGroup::O => {
+                        pb.set_message(format!("layer {i}: attention"));
+                        cache.mixer = Some(
+                            states
+                                .iter()
+                                .map(|h| layer.mixer_output(h))
+                                .collect::<Result<Vec<_>>>()?,
+                        );
+                        let t = clock.lap()?;
+                        stages.forward += t;
+                        match layer.mixer_name() {
+                            "minicpm4" => stages.mixer_sparse += t,
+                            "lightning-attn" => stages.mixer_lightning += t,
+                            _ => stages.mixer_attention += t,
+                        }
+                    }
+                    LinearGroup::GateUp => {
+                        let mixer = cache.mixer.take().expect("computed for o_proj");
+                        cache.h1 = Some(
+                            states
+                                .iter()
+                                .zip(&mixer)
+                                .map(|(h, m)| layer.attn_residual(h, m))
+                                .collect::<Result<Vec<_>>>()?,
+                        );
+                    }
+                    LinearGroup::Down => {
+                        let h1 = cache.h1.as_ref().expect("computed for gate/up");
+                        cache.act = Some(
+                            h1.iter()
+                                .map(|h| layer.mlp_act(&layer.mlp_input(h)?))
+                                .collect::<Result<Vec<_>>>()?,
+                        );
+                    }
+                }
                 stages.forward += clock.lap()?;
             }
             if opts.method == Method::Gptq {
@@ -654,18 +775,23 @@ fn run_layers(
                         }
                         stages.hessians += clock.lap()?;
                     }
-                    None => accumulate(
-                        &layer,
-                        &states,
-                        mixer.as_deref(),
-                        &subset,
-                        &mut acc,
-                        &mut clock,
-                        stages,
-                    )?,
+                    None if opts.true_sequential => {
+                        let g = subset[0];
+                        let a = acc.get_mut(&g).expect("accumulator per group");
+                        for bi in 0..states.len() {
+                            let x = cache.input(&layer, g, &states, bi)?;
+                            stages.forward += clock.lap()?;
+                            let (rows, k) = x.dims2()?;
+                            a.add_batch(&x, None)?;
+                            stages.hessian_flops += 2.0 * rows as f64 * (k * k) as f64;
+                            stages.hessians += clock.lap()?;
+                        }
+                    }
+                    None => accumulate(&layer, &states, &subset, &mut acc, &mut clock, stages)?,
                 }
             }
             let mut hessians = BTreeMap::new();
+            let mut factors = BTreeMap::new();
             if opts.method == Method::Gptq {
                 for (g, a) in &acc {
                     if let Some(dir) = &opts.save_hessians {
@@ -693,13 +819,20 @@ fn run_layers(
                     block_size: 128,
                     module: full.clone(),
                 };
+                if opts.method == Method::Gptq && !factors.contains_key(&g) {
+                    // One factorization per Hessian, shared by the Linears that read its input.
+                    let fopts = SolveOptions {
+                        module: acc[&g].module_names().join(", "),
+                        ..sopts.clone()
+                    };
+                    factors.insert(g, gptq::factorize(&hessians[&g], &fopts)?);
+                    stages.factorization += clock.lap()?;
+                }
                 let q = match opts.method {
-                    Method::Gptq => gptq::gptq_quantize(&w, &hessians[&g], &sopts)?,
+                    Method::Gptq => gptq::gptq_quantize_factored(&w, &factors[&g], &sopts)?,
                     Method::Rtn => gptq::rtn_quantize(&w, &sopts)?,
                 };
-                let solve_s = clock.lap()?;
-                stages.factorization += q.timings.factor_s;
-                stages.column_loop += (solve_s - q.timings.factor_s).max(0.0);
+                stages.column_loop += clock.lap()?;
                 let p = pack(&q, opts.bits, v1).with_context(|| format!("packing {full}"))?;
                 let (n, k) = (q.n, q.k);
                 let deq = decode_stored(&p, n, k, opts.bits, v1, opts.dtype, &opts.device)?;
@@ -728,28 +861,29 @@ fn run_layers(
             }
         }
         pb.set_message(format!("layer {i}: forward"));
-        if mixer.is_none() {
-            mixer = Some(
-                states
-                    .iter()
-                    .map(|h| layer.mixer_output(h))
-                    .collect::<Result<Vec<_>>>()?,
-            );
-        }
-        for (h, m) in states.iter_mut().zip(mixer.take().expect("computed above")) {
-            *h = layer.forward_from_mixer(h, &m, &mut |_, _| Ok(()))?;
+        match (cache.h1.take(), cache.act.take()) {
+            (Some(h1), Some(act)) => {
+                for ((h, h1), act) in states.iter_mut().zip(&h1).zip(&act) {
+                    *h = layer.mlp_residual(h1, act)?;
+                }
+            }
+            _ => {
+                for h in states.iter_mut() {
+                    *h = layer.forward(h, &mut |_, _| Ok(()))?;
+                }
+            }
         }
         stages.forward += clock.lap()?;
-        let (file, sha256) = journal::write_layer_file(jdir, i, &packed)?;
-        journal.layers.push(JournalLayer {
+        // The previous layer's file was written while this layer computed.
+        flush_pending(pending, journal, jdir)?;
+        stages.journal += clock.lap()?;
+        let dir = jdir.to_path_buf();
+        *pending = Some(PendingLayer {
             index: i,
-            file,
-            sha256,
             rows,
             seconds: t_layer.elapsed().as_secs_f64(),
+            write: std::thread::spawn(move || journal::write_layer_file(&dir, i, &packed)),
         });
-        journal.save(jdir)?;
-        stages.journal += clock.lap()?;
         pb.inc(1);
     }
     pb.finish_and_clear();

@@ -119,10 +119,12 @@ impl QuantizeReport {
         println!("calibration: {}", used.join(", "));
         if let Some(st) = &self.stages {
             println!(
-                "stages (s): load {:.2}, embed {:.2}, forward {:.2}, Hessians {:.2} ({:.0} TFLOP/s), factorization {:.2}, column loop {:.2}, pack {:.2}, report {:.2}, journal {:.2}, write {:.2}",
+                "stages (s): load {:.2}, embed {:.2}, forward {:.2} (sparse mixers {:.2}, lightning mixers {:.2}), Hessians {:.2} ({:.0} TFLOP/s), factorization {:.2}, column loop {:.2}, pack {:.2}, report {:.2}, journal {:.2}, write {:.2}",
                 st.load,
                 st.embed,
                 st.forward,
+                st.mixer_sparse,
+                st.mixer_lightning,
                 st.hessians,
                 st.hessian_tflops(),
                 st.factorization,

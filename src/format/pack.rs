@@ -77,10 +77,15 @@ fn max_code(bits: u8) -> u32 {
     (1u32 << bits) - 1
 }
 
-/// Packs codes `[K, N]` into `qweight` `[K·bits/32, N]`, along K: for 2/4/8 bits
-/// `word[r][n] = Σ_i code[r·per + i][n] << (bits·i)` with `per = 32/bits`; 3 bits use three word
-/// rows per 32 code rows (see [`Layout`]).
-pub fn pack_qweight(codes: &[u8], k: usize, n: usize, bits: u8) -> Result<Vec<i32>> {
+/// The checks both qweight packers make: K a whole number of packing blocks, one code per
+/// weight, every code within `bits`. `at` maps a flat index to `(k, n)` for the message.
+fn check_codes(
+    codes: &[u8],
+    k: usize,
+    n: usize,
+    bits: u8,
+    at: impl Fn(usize) -> (usize, usize),
+) -> Result<Layout> {
     let lay = layout(bits)?;
     ensure!(
         k % lay.vals == 0,
@@ -94,14 +99,21 @@ pub fn pack_qweight(codes: &[u8], k: usize, n: usize, bits: u8) -> Result<Vec<i3
         k * n
     );
     let maxq = max_code(bits);
-    if let Some(pos) = codes.iter().position(|&c| u32::from(c) > maxq) {
+    if let Some(pos) = codes.par_iter().position_first(|&c| u32::from(c) > maxq) {
+        let (kk, nn) = at(pos);
         bail!(
-            "code {} at [k={}, n={}] does not fit {bits} bits (max {maxq})",
-            codes[pos],
-            pos / n,
-            pos % n
+            "code {} at [k={kk}, n={nn}] does not fit {bits} bits (max {maxq})",
+            codes[pos]
         );
     }
+    Ok(lay)
+}
+
+/// Packs codes `[K, N]` into `qweight` `[K·bits/32, N]`, along K: for 2/4/8 bits
+/// `word[r][n] = Σ_i code[r·per + i][n] << (bits·i)` with `per = 32/bits`; 3 bits use three word
+/// rows per 32 code rows (see [`Layout`]).
+pub fn pack_qweight(codes: &[u8], k: usize, n: usize, bits: u8) -> Result<Vec<i32>> {
+    let lay = check_codes(codes, k, n, bits, |pos| (pos / n, pos % n))?;
     let mut words = vec![0i32; lay.packed_len(k) * n];
     words
         .par_chunks_mut((lay.words * n).max(1))
@@ -129,27 +141,7 @@ pub fn pack_qweight(codes: &[u8], k: usize, n: usize, bits: u8) -> Result<Vec<i3
 /// code of `W[n][k]`), without transposing first. Each task packs a run of blocks that spans
 /// one 64-byte line of every row, so every code byte is read from memory once.
 pub fn pack_qweight_nk(codes: &[u8], n: usize, k: usize, bits: u8) -> Result<Vec<i32>> {
-    let lay = layout(bits)?;
-    ensure!(
-        k % lay.vals == 0,
-        "qweight packing needs K to be a multiple of {} for {bits}-bit codes, got K = {k}",
-        lay.vals
-    );
-    ensure!(
-        codes.len() == k * n,
-        "qweight packing got {} codes for a [K={k}, N={n}] matrix (expected {})",
-        codes.len(),
-        k * n
-    );
-    let maxq = max_code(bits);
-    if let Some(pos) = codes.par_iter().position_first(|&c| u32::from(c) > maxq) {
-        bail!(
-            "code {} at [k={}, n={}] does not fit {bits} bits (max {maxq})",
-            codes[pos],
-            pos % k,
-            pos / k
-        );
-    }
+    let lay = check_codes(codes, k, n, bits, |pos| (pos % k, pos / k))?;
     let blocks_per_task = (64 / lay.vals).max(1);
     let mut words = vec![0i32; lay.packed_len(k) * n];
     words

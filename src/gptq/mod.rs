@@ -16,7 +16,9 @@ mod solver;
 pub use hessian::HessianAccumulator;
 pub use quantizer::{dequantize_code, quantize_code, QuantParams};
 #[cfg(feature = "cuda")]
-pub(crate) use solver::{check_finite_one, processing_order, FactorData};
+pub(crate) use solver::{
+    check_finite_one, dead_columns_and_order, not_positive_definite, FactorData,
+};
 pub use solver::{
     factorize, gptq_quantize, gptq_quantize_factored, rtn_quantize, ActOrder, Factorization,
     QuantizedLinear, SolveOptions, SolveTimings,

@@ -189,12 +189,11 @@ pub fn factorize(h: &Tensor, opts: &SolveOptions) -> Result<Factorization> {
     let t = Instant::now();
     let k = hk;
     let mut h = finite_f32(h, "Hessian", &opts.module)?;
-    let dead: Vec<usize> = (0..k).filter(|&i| h[i * k + i] == 0.0).collect();
+    let mut diag: Vec<f32> = (0..k).map(|i| h[i * k + i]).collect();
+    let (dead, perm) = dead_columns_and_order(&mut diag, opts.act_order);
     for &i in &dead {
         h[i * k + i] = 1.0;
     }
-    let diag: Vec<f32> = (0..k).map(|i| h[i * k + i]).collect();
-    let perm = processing_order(&diag, opts.act_order);
     let (u, damp_used) = inverse_cholesky_upper(&h, k, &perm, opts.damp, &opts.module)?;
     Ok(Factorization {
         k,
@@ -242,15 +241,31 @@ pub fn gptq_quantize_factored(
     }
 }
 
-/// A.3.5: the processing order (processing position → original column) from diag(H) (dead
-/// columns already set to 1). Act-order sorts by descending diagonal; the sort is stable so
-/// equal diagonals keep their index order.
-pub(crate) fn processing_order(diag: &[f32], act_order: ActOrder) -> Vec<usize> {
+/// A.3.3 and A.3.5 from diag(H): the dead columns (diagonal 0, which is set to 1 in `diag`)
+/// and the processing order (processing position → original column). Act-order sorts by
+/// descending diagonal; the sort is stable so equal diagonals keep their index order.
+pub(crate) fn dead_columns_and_order(
+    diag: &mut [f32],
+    act_order: ActOrder,
+) -> (Vec<usize>, Vec<usize>) {
+    let dead: Vec<usize> = (0..diag.len()).filter(|&i| diag[i] == 0.0).collect();
+    for &i in &dead {
+        diag[i] = 1.0;
+    }
     let mut perm: Vec<usize> = (0..diag.len()).collect();
     if act_order != ActOrder::Off {
         perm.sort_by(|&a, &b| diag[b].total_cmp(&diag[a]));
     }
-    perm
+    (dead, perm)
+}
+
+/// The error of a Hessian that no damping up to 1.0 made factorizable.
+pub(crate) fn not_positive_definite(module: &str, mean_diag: f64) -> anyhow::Error {
+    anyhow::anyhow!(
+        "module {module}: the Hessian is not positive definite even with damp 1.0 \
+         (mean diag {mean_diag:e}); the calibration inputs of this module are degenerate: \
+         use more calibration samples or skip the module"
+    )
 }
 
 /// Refuses NaN/Inf in `t` with the position of the first one (the message of the CPU solve).
@@ -512,11 +527,7 @@ fn inverse_cholesky_upper(
             return Ok((u, damp));
         }
         if damp >= 1.0 {
-            bail!(
-                "module {module}: the Hessian is not positive definite even with damp 1.0 \
-                 (mean diag {mean_diag:e}); the calibration inputs of this module are degenerate: \
-                 use more calibration samples or skip the module"
-            );
+            return Err(not_positive_definite(module, mean_diag));
         }
         damp = (damp * 2.0).min(1.0);
     }

@@ -231,11 +231,7 @@ pub fn factorize(h: &Tensor, opts: &SolveOptions) -> Result<Factorization> {
     trace.lap("finite check")?;
     // Dead columns and the processing order, exactly as on the CPU (A.3.3, A.3.5).
     let mut diag = diagonal(&h)?;
-    let dead: Vec<usize> = (0..k).filter(|&i| diag[i] == 0.0).collect();
-    for &i in &dead {
-        diag[i] = 1.0;
-    }
-    let perm = crate::gptq::processing_order(&diag, opts.act_order);
+    let (dead, perm) = crate::gptq::dead_columns_and_order(&mut diag, opts.act_order);
     let mean_diag = diag.iter().map(|&d| d as f64).sum::<f64>() / k as f64;
     trace.lap("diag + order")?;
     let (u, damp_used) = inverse_cholesky_upper(dev, &h, k, &perm, opts.damp, mean_diag, module)?;
@@ -674,11 +670,7 @@ fn inverse_cholesky_upper(
             }
         }
         if damp >= 1.0 {
-            bail!(
-                "module {module}: the Hessian is not positive definite even with damp 1.0 \
-                 (mean diag {mean_diag:e}); the calibration inputs of this module are degenerate: \
-                 use more calibration samples or skip the module"
-            );
+            return Err(crate::gptq::not_positive_definite(module, mean_diag));
         }
         damp = (damp * 2.0).min(1.0);
     }

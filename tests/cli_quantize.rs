@@ -385,6 +385,9 @@ fn a_refused_resume_keeps_the_finished_layers() {
     );
     let o = fx.quantize(&out, &["--resume", "--damp", "0.02"]);
     assert_fails(&o, 1, "cannot resume");
+    // The batch size sets the order of the Hessian sums, so it must match too.
+    let o = fx.quantize(&out, &["--resume", "--batch", "3"]);
+    assert_fails(&o, 1, "quantization settings differ");
     assert!(
         partial_path(&out).join("journal").is_dir(),
         "the refused resume removed {}",

@@ -94,6 +94,9 @@ pub struct Settings {
     pub calib: Vec<String>,
     pub dtype: String,
     pub device_kind: &'static str,
+    /// Calibration windows per forward batch: it sets the order in which XᵀX sums, so the bits
+    /// of the output depend on it.
+    pub batch: usize,
     /// Hessians loaded from this folder instead of calibrating (`--load-hessians`).
     pub load_hessians: Option<String>,
 }
@@ -412,6 +415,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         true_sequential: opts.true_sequential,
         nsamples: opts.nsamples,
         seqlen: opts.seqlen,
+        batch: opts.batch,
         seed: opts.seed,
         skip: opts.skip.clone(),
         calib: opts

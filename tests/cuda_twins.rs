@@ -163,7 +163,11 @@ fn gpu_solve_agrees_with_the_cpu_solve() {
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng(3);
     // K = 320 is not a multiple of the 128-column block; group 32 < block, -1 = one group.
+    // K = 1280 and 1152 exceed the 512-column leaf of the GPU's recursive triangular inverse
+    // (1280 splits into 640 + 640, then 384 + 256: uneven halves at the second level).
     for (n, k, bits, g, sym, act) in [
+        (128, 1280, 4, 128, true, ActOrder::Static),
+        (64, 1152, 4, 128, false, ActOrder::Dynamic),
         (256, 512, 4, 128, true, ActOrder::Static),
         (256, 512, 4, 128, true, ActOrder::Dynamic),
         (128, 320, 4, 64, false, ActOrder::Off),

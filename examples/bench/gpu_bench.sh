@@ -14,6 +14,7 @@
 #   solver  GPTQ solver on the MiniCPM-SALA shapes: our GPU and CPU solvers, and the eager
 #           PyTorch baseline (examples/bench/gptq_eager.py) on the same saved W and H;
 #           tensor-core XᵀX rates
+#   trace   the phases of one GPU solve per shape (SOAR_GPTQ_TRACE=1 and 2)
 #   small   the shipped tiny-sala model: GPU vs CPU quantize (codes, perplexity), two GPU
 #           runs (manifests), eval-ppl of GPTQ and Marlin folders on the GPU
 #   train   retrain the fixture on the GPU (time budget TRAIN_SECS, default 240 s)
@@ -57,10 +58,19 @@ for stage in "$@"; do
     "$G/bench_solver" --devices cuda --repeat 5 --save /tmp/wh --hessian-tokens 65536 \
       2>&1 | tee -a "$OUT/summary.txt"
     "$G/bench_solver" --devices cpu --repeat 1 2>&1 | tee -a "$OUT/summary.txt"
-    echo "-- GPU, L⁻¹ by cuSOLVER trtri instead of the triangular solve" | tee -a "$OUT/summary.txt"
-    SOAR_GPTQ_INVERSE=trtri "$G/bench_solver" --devices cuda --repeat 3 2>&1 | tee -a "$OUT/summary.txt"
+    for v in "SOAR_GPTQ_INVERSE=trsm" "SOAR_GPTQ_INVERSE=trtri" "SOAR_GPTQ_PINNED=0" "SOAR_GPTQ_CODES=scatter"; do
+      echo "-- GPU with $v" | tee -a "$OUT/summary.txt"
+      env "$v" "$G/bench_solver" --devices cuda --repeat 5 2>&1 | tee -a "$OUT/summary.txt"
+    done
     python3 examples/bench/gptq_eager.py /tmp/wh --device cuda --warmup 1 --repeat 3 \
       2>&1 | tee -a "$OUT/summary.txt"
+    ;;
+  trace)
+    # Phase times of one GPU solve per shape (synchronizing: slower than the medians above).
+    log "trace"
+    SOAR_GPTQ_TRACE=1 "$G/bench_solver" --devices cuda --repeat 2 2>&1 | tee -a "$OUT/summary.txt"
+    SOAR_GPTQ_TRACE=2 "$G/bench_solver" --devices cuda --repeat 2 2>&1 | grep "of which" \
+      | tee -a "$OUT/summary.txt"
     ;;
   small)
     log "small"

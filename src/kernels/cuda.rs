@@ -287,6 +287,7 @@ pub fn gptq_solve(
         crate::gptq::check_finite_one(&w, "weight", module)?;
         bail!("module {module}: weight contains NaN or Inf");
     }
+    trace.lap("weight to f32 + finiteness check")?;
     let g = quant.group_len(k);
     let n_groups = quant.n_groups(k);
     let maxq = quant.maxq();
@@ -367,6 +368,9 @@ pub fn gptq_solve(
     let param_row_d = upload(&stream, &param_row)?;
     let perm_i32: Vec<i32> = perm.iter().map(|&j| j as i32).collect();
     let perm_d = upload(&stream, &perm_i32)?;
+    // Codes in processing order, reordered once after the loop (`gather`, the default), or
+    // scattered to their original columns by the block kernel (`SOAR_GPTQ_CODES=scatter`).
+    let scatter = std::env::var("SOAR_GPTQ_CODES").is_ok_and(|v| v == "scatter");
     let wp = tensor_ptr(&w_perm)?;
     let up = tensor_ptr(u)?;
     let (codes_p, err1_p, loss_p) = (
@@ -376,11 +380,17 @@ pub fn gptq_solve(
     );
     let (param_p, perm_p) = (
         slice_ptr(&param_row_d, &stream),
-        slice_ptr(&perm_d, &stream),
+        if scatter {
+            slice_ptr(&perm_d, &stream)
+        } else {
+            0u64
+        },
     );
+    let (mut block_s, mut update_s) = (0.0f64, 0.0f64);
     for i1 in (0..k).step_by(bs) {
         let i2 = (i1 + bs).min(k);
         let width = i2 - i1;
+        let t_block = trace.split_start()?;
         if find_in_loop {
             let first = i1.div_ceil(g) * g;
             if first < i2 {
@@ -411,6 +421,8 @@ pub fn gptq_solve(
                 &loss_p,
             ],
         )?;
+        block_s += trace.split_end(t_block)?;
+        let t_update = trace.split_start()?;
         if i2 < k {
             // Row-major W[:, i2:] -= Err1 · U[i1:i2, i2:], i.e. column-major
             // Wᵀ[i2:, :] -= U[i1:i2, i2:]ᵀ · Err1ᵀ.
@@ -435,17 +447,9 @@ pub fn gptq_solve(
             };
             cublas_ok(status, "Sgemm (lazy update)")?;
         }
+        update_s += trace.split_end(t_update)?;
     }
     trace.lap("column loop")?;
-    let codes = stream.clone_dtoh(&codes)?;
-    let scales = stream.clone_dtoh(&scales)?;
-    let zeros = stream.clone_dtoh(&zeros)?;
-    let loss_rows = stream.clone_dtoh(&loss)?;
-    let loop_s = t_prep.elapsed().as_secs_f64();
-    drop(w_perm);
-    if loss_rows.iter().any(|l| !l.is_finite()) {
-        bail!("module {module}: the GPU solve produced a non-finite loss (damp {damp_used})");
-    }
     let invperm = {
         let mut inv = vec![0usize; k];
         for (c, &j) in perm.iter().enumerate() {
@@ -453,6 +457,41 @@ pub fn gptq_solve(
         }
         inv
     };
+    let codes = if scatter {
+        codes
+    } else {
+        let invperm_i32: Vec<i32> = invperm.iter().map(|&c| c as i32).collect();
+        let invperm_d = upload(&stream, &invperm_i32)?;
+        let out: CudaSlice<u8> = unsafe { stream.alloc(n * k) }?;
+        launch(
+            dev,
+            "unpermute_codes",
+            cfg((blocks(k, 256), n as u32, 1), (256, 1, 1)),
+            &[
+                &codes_p,
+                &slice_ptr(&invperm_d, &stream),
+                &(n as i32),
+                &(k as i32),
+                &slice_ptr(&out, &stream),
+            ],
+        )?;
+        trace.lap("codes to the original column order")?;
+        out
+    };
+    trace.splits(&[
+        ("in-block kernels", block_s),
+        ("lazy-update GEMMs", update_s),
+    ]);
+    let codes = codes_to_host(&stream, &codes)?;
+    let scales = stream.clone_dtoh(&scales)?;
+    let zeros = stream.clone_dtoh(&zeros)?;
+    let loss_rows = stream.clone_dtoh(&loss)?;
+    trace.lap("codes, scales, zeros, loss to the host")?;
+    let loop_s = t_prep.elapsed().as_secs_f64();
+    drop(w_perm);
+    if loss_rows.iter().any(|l| !l.is_finite()) {
+        bail!("module {module}: the GPU solve produced a non-finite loss (damp {damp_used})");
+    }
     let g_idx = match opts.act_order {
         ActOrder::Dynamic => invperm.iter().map(|&c| (c / g) as i32).collect(),
         ActOrder::Static | ActOrder::Off => (0..k).map(|j| (j / g) as i32).collect(),
@@ -472,10 +511,43 @@ pub fn gptq_solve(
     })
 }
 
-/// Phase timings of the factorization on stderr when `SOAR_GPTQ_TRACE=1` (a diagnostic for the
-/// benchmark; synchronizes the stream at every lap).
+/// The page-locked staging buffer of `codes_to_host`, kept between solves (allocating and
+/// registering page-locked memory costs more than the copy it speeds up).
+static PINNED_CODES: Mutex<Option<cudarc::driver::PinnedHostSlice<u8>>> = Mutex::new(None);
+
+/// The codes of a solve on the host: a DMA into a reused page-locked buffer and one copy out
+/// of it, or with `SOAR_GPTQ_PINNED=0` the plain (pageable) device-to-host copy.
+fn codes_to_host(stream: &Arc<CudaStream>, codes: &CudaSlice<u8>) -> Result<Vec<u8>> {
+    if std::env::var("SOAR_GPTQ_PINNED").is_ok_and(|v| v == "0") {
+        return Ok(stream.clone_dtoh(codes)?);
+    }
+    let n = codes.len();
+    let ctx = stream.context();
+    let mut staging = PINNED_CODES
+        .lock()
+        .map_err(|_| anyhow!("internal: poisoned lock"))?;
+    let fits = staging
+        .as_ref()
+        .is_some_and(|p| p.len() >= n && Arc::ptr_eq(p.context(), ctx));
+    if !fits {
+        *staging = None;
+        // Flags 0: cached, readable by the CPU at full speed (not write-combined).
+        *staging = Some(unsafe { ctx.alloc_pinned_with_flags::<u8>(n, 0) }?);
+    }
+    let buf = staging.as_mut().expect("just set").as_mut_slice()?;
+    let (src, _record) = codes.device_ptr(stream);
+    unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut buf[..n], src, stream.cu_stream()) }?;
+    stream.synchronize()?;
+    Ok(buf[..n].to_vec())
+}
+
+/// Phase timings of the factorization and the solve on stderr when `SOAR_GPTQ_TRACE=1` (a
+/// diagnostic for the benchmark; synchronizes the stream at every lap). `SOAR_GPTQ_TRACE=2`
+/// also splits the column loop into its in-block kernels and lazy-update GEMMs, synchronizing
+/// around every launch (which slows the loop itself).
 struct Trace<'a> {
     on: bool,
+    split: bool,
     stream: &'a Arc<CudaStream>,
     k: usize,
     t: Instant,
@@ -483,8 +555,10 @@ struct Trace<'a> {
 
 impl<'a> Trace<'a> {
     fn new(stream: &'a Arc<CudaStream>, k: usize) -> Self {
+        let level = std::env::var("SOAR_GPTQ_TRACE").unwrap_or_default();
         Self {
-            on: std::env::var("SOAR_GPTQ_TRACE").is_ok_and(|v| v == "1"),
+            on: level == "1" || level == "2",
+            split: level == "2",
             stream,
             k,
             t: Instant::now(),
@@ -502,6 +576,34 @@ impl<'a> Trace<'a> {
             self.t = Instant::now();
         }
         Ok(())
+    }
+
+    /// Start of a split interval (level 2 only): the stream is synchronized first.
+    fn split_start(&self) -> Result<Option<Instant>> {
+        if !self.split {
+            return Ok(None);
+        }
+        self.stream.synchronize()?;
+        Ok(Some(Instant::now()))
+    }
+
+    /// Seconds since `split_start`, after synchronizing (0 unless level 2).
+    fn split_end(&self, t: Option<Instant>) -> Result<f64> {
+        match t {
+            None => Ok(0.0),
+            Some(t) => {
+                self.stream.synchronize()?;
+                Ok(t.elapsed().as_secs_f64())
+            }
+        }
+    }
+
+    fn splits(&self, parts: &[(&str, f64)]) {
+        if self.split {
+            for (what, s) in parts {
+                eprintln!("trace K={}   of which {what}: {:.3} ms", self.k, s * 1e3);
+            }
+        }
     }
 }
 
@@ -567,9 +669,12 @@ fn inverse_cholesky_upper(
     let tr_work: CudaSlice<u8> = unsafe { stream.alloc(dev_bytes.max(1)) }?;
     let tr_work_p = slice_ptr(&tr_work, &stream);
     let mut host_work = vec![0u8; host_bytes.max(1)];
-    // L⁻¹ by a cuBLAS triangular solve against I (measured faster on the H200 than cuSOLVER's
-    // trtri: 115 vs 184 ms at K = 16384), or trtri with SOAR_GPTQ_INVERSE=trtri.
-    let use_trsm = !std::env::var("SOAR_GPTQ_INVERSE").is_ok_and(|v| v == "trtri");
+    // L⁻¹ by one of three methods (SOAR_GPTQ_INVERSE, for side-by-side measurement):
+    // `rec` (default) a recursive blocked inverse whose work is two triangular matrix products
+    // per level (K³/3 FLOP in all, against K³ for a full triangular solve against I), `trsm`
+    // the cuBLAS triangular solve against I, `trtri` cuSOLVER's trtri.
+    let method = inverse_method();
+    let use_trsm = method != Inverse::Trtri;
     let inv: Option<CudaSlice<f64>> = if use_trsm {
         Some(unsafe { stream.alloc(k * k) }?)
     } else {
@@ -605,32 +710,21 @@ fn inverse_cholesky_upper(
         let mut ok = stream.clone_dtoh(&info)?[0] == 0;
         trace.lap("potrf")?;
         if ok && use_trsm {
-            // L⁻¹ by solving L·X = I (X then holds L⁻¹; `reverse_upper_f32` reads it).
+            // L⁻¹ into X (lower triangle; `reverse_upper_f32` reads only that). X starts as I.
             launch(
                 dev,
                 "set_identity_f64",
                 cfg((blocks(k, 256), k as u32, 1), (256, 1, 1)),
                 &[&inv_p, &(k as i32)],
             )?;
-            let one = 1.0f64;
-            let status = unsafe {
-                cublas::cublasDtrsm_v2(
-                    *blas.handle(),
-                    cublas::cublasSideMode_t::CUBLAS_SIDE_LEFT,
-                    cublas::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER,
-                    cublas::cublasOperation_t::CUBLAS_OP_N,
-                    cublas::cublasDiagType_t::CUBLAS_DIAG_NON_UNIT,
-                    k as i32,
-                    k as i32,
-                    &one,
-                    ap as *const f64,
-                    k as i32,
-                    inv_p as *mut f64,
-                    k as i32,
-                )
-            };
-            cublas_ok(status, "Dtrsm (L⁻¹)")?;
-            trace.lap("trsm")?;
+            let handle = *blas.handle();
+            if method == Inverse::Recursive {
+                lower_inverse_rec(handle, ap, inv_p, k, 0, k)?;
+                trace.lap("recursive inverse")?;
+            } else {
+                trsm_identity(handle, ap, inv_p, k, 0, k)?;
+                trace.lap("trsm")?;
+            }
         } else if ok {
             cusolver_ok(
                 unsafe {
@@ -674,6 +768,124 @@ fn inverse_cholesky_upper(
         }
         damp = (damp * 2.0).min(1.0);
     }
+}
+
+/// How the GPU factorization computes L⁻¹ (`SOAR_GPTQ_INVERSE`: `rec`, the default, `trsm`
+/// or `trtri`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Inverse {
+    Recursive,
+    Trsm,
+    Trtri,
+}
+
+fn inverse_method() -> Inverse {
+    match std::env::var("SOAR_GPTQ_INVERSE").as_deref() {
+        Ok("trsm") => Inverse::Trsm,
+        Ok("trtri") => Inverse::Trtri,
+        _ => Inverse::Recursive,
+    }
+}
+
+/// Diagonal blocks up to this size are inverted by a triangular solve against I.
+const INVERSE_LEAF: usize = 512;
+
+/// X[o..o+m, o..o+m] = L[o..o+m, o..o+m]⁻¹ by solving L·X = I in place (X holds I there).
+/// Column-major, leading dimension `k` for both; `l` and `x` are device addresses of f64.
+fn trsm_identity(
+    handle: cublas::cublasHandle_t,
+    l: u64,
+    x: u64,
+    k: usize,
+    o: usize,
+    m: usize,
+) -> Result<()> {
+    let one = 1.0f64;
+    let at = |base: u64| base + ((o + o * k) * 8) as u64;
+    let status = unsafe {
+        cublas::cublasDtrsm_v2(
+            handle,
+            cublas::cublasSideMode_t::CUBLAS_SIDE_LEFT,
+            cublas::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER,
+            cublas::cublasOperation_t::CUBLAS_OP_N,
+            cublas::cublasDiagType_t::CUBLAS_DIAG_NON_UNIT,
+            m as i32,
+            m as i32,
+            &one,
+            at(l) as *const f64,
+            k as i32,
+            at(x) as *mut f64,
+            k as i32,
+        )
+    };
+    cublas_ok(status, "Dtrsm (L⁻¹)")
+}
+
+/// X[o..o+m, o..o+m] = L[o..o+m, o..o+m]⁻¹ for lower-triangular L, recursively: with
+/// L = [L11 0; L21 L22] the inverse is [X11 0; −X22·L21·X11 X22], so each level is two
+/// half-size inverses and two triangular products (cuBLAS `trmm`, out of place into X21,
+/// then in place). Column-major, leading dimension `k`; X holds I on entry.
+fn lower_inverse_rec(
+    handle: cublas::cublasHandle_t,
+    l: u64,
+    x: u64,
+    k: usize,
+    o: usize,
+    m: usize,
+) -> Result<()> {
+    if m <= INVERSE_LEAF {
+        return trsm_identity(handle, l, x, k, o, m);
+    }
+    let m1 = (m / 2).div_ceil(128) * 128;
+    let m2 = m - m1;
+    lower_inverse_rec(handle, l, x, k, o, m1)?;
+    lower_inverse_rec(handle, l, x, k, o + m1, m2)?;
+    let at = |base: u64, r: usize, c: usize| base + ((r + c * k) * 8) as u64;
+    let (x11, x22, x21) = (at(x, o, o), at(x, o + m1, o + m1), at(x, o + m1, o));
+    let l21 = at(l, o + m1, o);
+    let (one, minus) = (1.0f64, -1.0f64);
+    use cublas::cublasSideMode_t as S;
+    use cublas::{cublasDiagType_t as D, cublasFillMode_t as F, cublasOperation_t as T};
+    // X21 = L21 · X11 (X11 lower triangular, on the right).
+    let status = unsafe {
+        cublas::cublasDtrmm_v2(
+            handle,
+            S::CUBLAS_SIDE_RIGHT,
+            F::CUBLAS_FILL_MODE_LOWER,
+            T::CUBLAS_OP_N,
+            D::CUBLAS_DIAG_NON_UNIT,
+            m2 as i32,
+            m1 as i32,
+            &one,
+            x11 as *const f64,
+            k as i32,
+            l21 as *const f64,
+            k as i32,
+            x21 as *mut f64,
+            k as i32,
+        )
+    };
+    cublas_ok(status, "Dtrmm (L21·X11)")?;
+    // X21 = −X22 · X21 (X22 lower triangular, on the left; in place).
+    let status = unsafe {
+        cublas::cublasDtrmm_v2(
+            handle,
+            S::CUBLAS_SIDE_LEFT,
+            F::CUBLAS_FILL_MODE_LOWER,
+            T::CUBLAS_OP_N,
+            D::CUBLAS_DIAG_NON_UNIT,
+            m2 as i32,
+            m1 as i32,
+            &minus,
+            x22 as *const f64,
+            k as i32,
+            x21 as *const f64,
+            k as i32,
+            x21 as *mut f64,
+            k as i32,
+        )
+    };
+    cublas_ok(status, "Dtrmm (−X22·X21)")
 }
 
 /// GPTQ decode on the GPU: `W` `[N, K]` f32 with `W[n][k] = scale[g][n]·(code − zero)`,

@@ -5,6 +5,7 @@
 //   reverse_upper_f32   -> solver.rs upper_inverse_factor (U = J·L⁻¹·J, here row-major)
 //   find_params         -> quantizer.rs QuantParams::find_row_params
 //   gptq_block          -> solver.rs the in-block part of the column loop
+//   unpermute_codes     -> solver.rs (codes returned in the original column order)
 //   dequant_gptq        -> format/pack.rs dequantize_gptq (any of 2/3/4/8 bits)
 //   dequant_marlin      -> format/quantized.rs dequantize_module (Marlin branch)
 //
@@ -132,7 +133,8 @@ extern "C" __global__ void find_params(const float* __restrict__ w, int ldw, int
 //   w      [n, k] row-major f32 (processing order), becomes Q in the block
 //   u      [k, k] row-major f32, the upper factor of H⁻¹ in processing order
 //   scales/zeros [groups, n], param_row[c] = the group row used at processing position c
-//   perm[c] = original column of processing position c; codes [n, k] in original order
+//   perm[c] = original column of processing position c; codes [n, k] in original order, or
+//   (perm == NULL) in processing order, for `unpermute_codes` to reorder in one pass
 //   err1   [n, width] row-major, the scaled errors for the lazy update
 //   loss   [n] f64, accumulated (one warp per row: no races)
 extern "C" __global__ void gptq_block(float* __restrict__ w, const float* __restrict__ u, int n,
@@ -159,7 +161,7 @@ extern "C" __global__ void gptq_block(float* __restrict__ w, const float* __rest
         s[j] = in ? scales[p] : 1.0f;
         z[j] = in ? zeros[p] : 0.0f;
         d[j] = in ? u[(size_t)c * k + c] : 1.0f;
-        pc[j] = in ? perm[c] : 0;
+        pc[j] = in ? (perm ? perm[c] : c) : 0;
     }
     uint8_t* codes_row = codes + (size_t)row * k;
     float* err_row = err1 + (size_t)row * width;
@@ -202,6 +204,18 @@ extern "C" __global__ void gptq_block(float* __restrict__ w, const float* __rest
     }
     for (int off = 16; off > 0; off >>= 1) row_loss += __shfl_down_sync(0xffffffffu, row_loss, off);
     if (lane == 0) loss[row] += row_loss;
+}
+
+// out[row][j] = in[row][invperm[j]]: codes written in processing order back to the original
+// column order. Coalesced writes; the gathered reads stay within one row (L1/L2 resident).
+extern "C" __global__ void unpermute_codes(const uint8_t* __restrict__ in,
+                                           const int* __restrict__ invperm, int n, int k,
+                                           uint8_t* __restrict__ out) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    int row = blockIdx.y;
+    if (j >= k || row >= n) return;
+    size_t base = (size_t)row * k;
+    out[base + j] = in[base + invperm[j]];
 }
 
 // Field `i` of a little-endian stream of `bits`-wide fields packed LSB-first in 32-bit words,

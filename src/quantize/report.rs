@@ -119,14 +119,14 @@ impl QuantizeReport {
         println!("calibration: {}", used.join(", "));
         if let Some(st) = &self.stages {
             println!(
-                "stages (s): load {:.2}, embed {:.2}, forward {:.2} (sparse mixers {:.2}, lightning mixers {:.2}), Hessians {:.2} ({:.0} TFLOP/s), factorization {:.2}, column loop {:.2}, pack {:.2}, report {:.2}, journal {:.2}, write {:.2}",
+                "stages (s): load {:.2}, embed {:.2}, forward {:.2} (sparse mixers {:.2}, lightning mixers {:.2}), Hessians {:.2} ({}), factorization {:.2}, column loop {:.2}, pack {:.2}, report {:.2}, journal {:.2}, write {:.2}",
                 st.load,
                 st.embed,
                 st.forward,
                 st.mixer_sparse,
                 st.mixer_lightning,
                 st.hessians,
-                st.hessian_tflops(),
+                rate(st.hessian_tflops()),
                 st.factorization,
                 st.column_loop,
                 st.pack,
@@ -146,5 +146,14 @@ impl QuantizeReport {
             );
         }
         println!("wrote {}", self.output);
+    }
+}
+
+/// A FLOP rate for people: TFLOP/s on a GPU, GFLOP/s where it is below one TFLOP/s (a CPU).
+fn rate(tflops: f64) -> String {
+    if tflops >= 1.0 {
+        format!("{tflops:.0} TFLOP/s")
+    } else {
+        format!("{:.1} GFLOP/s", tflops * 1e3)
     }
 }

@@ -23,6 +23,7 @@ use candle_core::{CudaDevice, CudaStorage, DType, Device, Storage, Tensor};
 use cudarc::cublas::sys as cublas;
 use cudarc::cusolver::{sys as cusolver, DnHandle};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use rayon::prelude::*;
 
 use crate::gptq::{ActOrder, QuantizedLinear, SolveOptions, SolveTimings};
 use crate::gptq::{FactorData, Factorization};
@@ -515,8 +516,8 @@ pub fn gptq_solve(
 /// registering page-locked memory costs more than the copy it speeds up).
 static PINNED_CODES: Mutex<Option<cudarc::driver::PinnedHostSlice<u8>>> = Mutex::new(None);
 
-/// The codes of a solve on the host: a DMA into a reused page-locked buffer and one copy out
-/// of it, or with `SOAR_GPTQ_PINNED=0` the plain (pageable) device-to-host copy.
+/// The codes of a solve on the host: a DMA into a reused page-locked buffer and one parallel
+/// copy out of it, or with `SOAR_GPTQ_PINNED=0` the plain (pageable) device-to-host copy.
 fn codes_to_host(stream: &Arc<CudaStream>, codes: &CudaSlice<u8>) -> Result<Vec<u8>> {
     if std::env::var("SOAR_GPTQ_PINNED").is_ok_and(|v| v == "0") {
         return Ok(stream.clone_dtoh(codes)?);
@@ -538,7 +539,15 @@ fn codes_to_host(stream: &Arc<CudaStream>, codes: &CudaSlice<u8>) -> Result<Vec<
     let (src, _record) = codes.device_ptr(stream);
     unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut buf[..n], src, stream.cu_stream()) }?;
     stream.synchronize()?;
-    Ok(buf[..n].to_vec())
+    // Out of the staging buffer with all cores: the copy is bound by the first touch of the
+    // destination's fresh pages (measured on the H200 host: 67 MB took 45 ms on one thread).
+    // `vec![0; n]` maps zero pages lazily, so every page is touched once, by the copy.
+    let mut out = vec![0u8; n];
+    const CHUNK: usize = 1 << 20;
+    out.par_chunks_mut(CHUNK)
+        .zip(buf[..n].par_chunks(CHUNK))
+        .for_each(|(d, s)| d.copy_from_slice(s));
+    Ok(out)
 }
 
 /// Phase timings of the factorization and the solve on stderr when `SOAR_GPTQ_TRACE=1` (a

@@ -8,7 +8,8 @@
 //! Shapes are `N_outxK_in`. For each shape it builds seeded correlated inputs (independent noise
 //! plus shared low-rank factors, features of unequal energy), accumulates their Hessian (f32, on
 //! the CPU) and solves one seeded random W with the same H on every device listed, printing the
-//! median seconds of the whole solve, its factorization and column-loop parts, and the loss.
+//! median seconds of the whole solve, its factorization and column-loop parts, the loss, and
+//! the CPU packing of the resulting codes into GPTQ qweight (`pack_s`, what `quantize` does next).
 //! GPU solves are timed after one warm-up solve; each solve ends with the codes copied back to
 //! the host, so host timers see finished device work.
 //!
@@ -24,6 +25,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
+use soar_gptq::format::pack::pack_qweight_nk;
 use soar_gptq::gptq::{gptq_quantize, ActOrder, HessianAccumulator, QuantParams, SolveOptions};
 
 /// Shared latent factors of the synthetic inputs: they make the features correlated.
@@ -177,8 +179,8 @@ fn main() -> Result<()> {
         args.repeat
     );
     println!(
-        "{:>12} {:>6} {:>10} {:>10} {:>10} {:>14} {:>8}",
-        "shape NxK", "device", "solve_s", "factor_s", "loop_s", "loss", "damp"
+        "{:>12} {:>6} {:>10} {:>10} {:>10} {:>14} {:>8} {:>10}",
+        "shape NxK", "device", "solve_s", "factor_s", "loop_s", "loss", "damp", "pack_s"
     );
     for &(n, k) in &shapes {
         let mut rng = Rng(args.seed ^ ((n as u64) << 32 | k as u64));
@@ -223,15 +225,24 @@ fn main() -> Result<()> {
                 last = Some(q);
             }
             let q = last.expect("at least one solve");
+            // What `quantize` does next with the codes on the host: GPTQ qweight packing.
+            let mut pack = vec![];
+            for _ in 0..args.repeat.max(1) {
+                let t = Instant::now();
+                let words = pack_qweight_nk(&q.codes, n, k, opts.quant.bits)?;
+                pack.push(t.elapsed().as_secs_f64());
+                drop(words);
+            }
             println!(
-                "{:>12} {:>6} {:>10.4} {:>10.4} {:>10.4} {:>14.6e} {:>8}",
+                "{:>12} {:>6} {:>10.4} {:>10.4} {:>10.4} {:>14.6e} {:>8} {:>10.4}",
                 format!("{n}x{k}"),
                 name,
                 median(total),
                 median(factor),
                 median(lp),
                 q.loss,
-                q.damp_used
+                q.damp_used,
+                median(pack)
             );
         }
     }

@@ -281,6 +281,15 @@ pub fn parse_device(spec: &str) -> Result<Device> {
     }
 }
 
+/// How a device is named to users: `cpu`, `cuda:N` (N the GPU ordinal, as `--device` takes it).
+pub fn device_label(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".to_string(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
+
 fn compute_dtype(choice: Option<ComputeDtype>, device: &Device) -> DType {
     match choice {
         Some(ComputeDtype::F32) => DType::F32,
@@ -498,5 +507,24 @@ pub fn main() -> i32 {
             eprintln!("error: {e:#}");
             1
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_are_named_as_the_option_takes_them() {
+        let cpu = parse_device("cpu").unwrap();
+        assert_eq!(device_label(&cpu), "cpu");
+        if !cfg!(feature = "cuda") {
+            // Without CUDA `auto` is the CPU and `cuda:N` is refused, naming the option.
+            assert_eq!(device_label(&parse_device("auto").unwrap()), "cpu");
+            let e = parse_device("cuda:1").unwrap_err().to_string();
+            assert!(e.contains("--device cuda:1"), "{e}");
+        }
+        let e = parse_device("gpu").unwrap_err().to_string();
+        assert!(e.contains("expected auto, cpu, cuda or cuda:N"), "{e}");
     }
 }

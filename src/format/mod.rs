@@ -33,9 +33,9 @@ pub use pack::{
 pub use inspect::{gptq_marlin_verdicts, inspect_quantized, EngineVerdict, QuantInspectReport};
 pub use pack_marlin::{pack_marlin_checkpoint, PackMarlinReport};
 pub use quantized::{
-    check_quantized_module, dequantize_module, quantized_prefixes, read_module_codes,
-    read_quant_info, validate_quantized, validate_quantized_modules, ModuleCodes, ModuleQuant,
-    QuantFormat, QuantInfo, QuantModule,
+    check_quantized_module, dequantize_gptq_tensor, dequantize_module, quantized_prefixes,
+    read_module_codes, read_quant_info, validate_quantized, validate_quantized_modules,
+    ModuleCodes, ModuleQuant, QuantFormat, QuantInfo, QuantModule,
 };
 
 /// Deterministic xorshift64 for the format tests (no rand dependency).

@@ -981,7 +981,6 @@ impl ModuleCodes {
     /// `W` `[N, K]` row-major f32 (HF layout, `y = x·Wᵀ`), bit-exactly `f32(scale) · (code − zero)`
     /// (Marlin: zero 8, rows un-sorted), on the CPU.
     pub fn dequantize(&self, n: usize, k: usize) -> Result<Vec<f32>> {
-        let mut w = vec![0f32; n * k];
         match self {
             ModuleCodes::Marlin {
                 b,
@@ -990,6 +989,7 @@ impl ModuleCodes {
                 group,
             } => {
                 let codes = unpack_marlin(b, k, n)?;
+                let mut w = vec![0f32; n * k];
                 // Row k' of the tiles is original input row src_row[k'], in group k' / g.
                 let mut src_of = vec![0usize; k];
                 for (kp, &row) in src_row.iter().enumerate() {
@@ -1002,6 +1002,7 @@ impl ModuleCodes {
                         *v = scales[(kp / group) * n + col] * (code - 8) as f32;
                     }
                 });
+                Ok(w)
             }
             ModuleCodes::Gptq {
                 qweight,
@@ -1010,25 +1011,17 @@ impl ModuleCodes {
                 g_idx,
                 bits,
                 v1,
-            } => {
-                let wt = dequantize_gptq(&GptqTensors {
-                    qweight,
-                    qzeros,
-                    scales,
-                    g_idx,
-                    k,
-                    n,
-                    bits: *bits,
-                    v1: *v1,
-                })?;
-                w.par_chunks_mut(k).enumerate().for_each(|(col, out)| {
-                    for (row, v) in out.iter_mut().enumerate() {
-                        *v = wt[row * n + col];
-                    }
-                });
-            }
+            } => dequantize_gptq_nk(&GptqTensors {
+                qweight,
+                qzeros,
+                scales,
+                g_idx,
+                k,
+                n,
+                bits: *bits,
+                v1: *v1,
+            }),
         }
-        Ok(w)
     }
 
     /// [`dequantize`](Self::dequantize) as an f32 `[N, K]` tensor on `device`: decoded by the
@@ -1066,6 +1059,39 @@ impl ModuleCodes {
             device,
         )?)
     }
+}
+
+/// GPTQ tensors decoded to `W` `[N, K]` row-major f32 (the HF layout), on the CPU.
+fn dequantize_gptq_nk(t: &GptqTensors) -> Result<Vec<f32>> {
+    let (n, k) = (t.n, t.k);
+    let wt = dequantize_gptq(t)?;
+    let mut w = vec![0f32; n * k];
+    w.par_chunks_mut(k).enumerate().for_each(|(col, out)| {
+        for (row, v) in out.iter_mut().enumerate() {
+            *v = wt[row * n + col];
+        }
+    });
+    Ok(w)
+}
+
+/// [`ModuleCodes::dequantize_tensor`] for borrowed GPTQ tensors: the quantize pipeline decodes
+/// every module it has just packed, and copying 4.4 GB of qweight of the 9.5B model into
+/// fresh buffers first cost seconds.
+pub fn dequantize_gptq_tensor(
+    t: &GptqTensors,
+    device: &candle_core::Device,
+) -> Result<candle_core::Tensor> {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        return crate::kernels::cuda::dequant_gptq(
+            device, t.qweight, t.qzeros, t.scales, t.g_idx, t.k, t.n, t.bits, t.v1,
+        );
+    }
+    Ok(candle_core::Tensor::from_vec(
+        dequantize_gptq_nk(t)?,
+        (t.n, t.k),
+        device,
+    )?)
 }
 
 /// Dequantizes one module to `W` `[N, K]` row-major f32 (HF layout, `y = x·Wᵀ`), bit-exactly

@@ -195,15 +195,18 @@ fn decode_stored(
     dtype: DType,
     device: &Device,
 ) -> Result<Tensor> {
-    let codes = format::ModuleCodes::Gptq {
-        qweight: p.qweight.clone(),
-        qzeros: p.qzeros.clone(),
-        scales: format::f16_le_bytes_to_f32(&p.scales_f16)?,
-        g_idx: p.g_idx.clone(),
+    let scales = format::f16_le_bytes_to_f32(&p.scales_f16)?;
+    let t = format::GptqTensors {
+        qweight: &p.qweight,
+        qzeros: &p.qzeros,
+        scales: &scales,
+        g_idx: &p.g_idx,
+        k,
+        n,
         bits,
         v1,
     };
-    Ok(codes.dequantize_tensor(n, k, device)?.to_dtype(dtype)?)
+    Ok(format::dequantize_gptq_tensor(&t, device)?.to_dtype(dtype)?)
 }
 
 /// ||X(W−Q)ᵀ||_F / ||XWᵀ||_F on the calibration tokens, from H ∝ XᵀX: sqrt(tr(D H Dᵀ) / tr(W H Wᵀ)).

@@ -137,7 +137,7 @@ impl QuantizeReport {
         }
         if let (Some(p), Some(m)) = (&self.preflight, &self.gpu_memory) {
             println!(
-                "GPU memory: peak {:.1} GB used, {:.1} GB reserved (preflight expected {:.1} GB); time {:.1} s (preflight expected {:.0} s)",
+                "GPU memory: peak {:.1} GB used, {:.1} GB reserved (preflight expected {:.1} GB); time {:.1} s (preflight expected {:.1} s)",
                 m.pool_peak_used_bytes as f64 / 1e9,
                 m.pool_peak_reserved_bytes as f64 / 1e9,
                 p.peak_bytes as f64 / 1e9,

@@ -210,7 +210,7 @@ impl Preflight {
         let during_mixer = if true_sequential { tokens * h * e } else { 0 } + forward_bytes;
         let during_down = layer_cache_bytes + solve_bytes;
         Self {
-            device: format!("{device:?}"),
+            device: crate::cli::device_label(device),
             tokens,
             hidden_states_bytes,
             embed_head_bytes,
@@ -231,7 +231,7 @@ impl Preflight {
     pub fn line(&self) -> String {
         format!(
             "preflight: {} calibration tokens; expected peak memory on {} {:.1} GB (hidden states {:.1}, embeddings+head {:.1}, one layer {:.2}, layer cache {:.1}, solve {:.1}, forward {:.1}); \
-             {:.2e} FLOP forward + {:.2e} FLOP Hessians + {:.2e} FLOP factorization ≈ {:.0} s at the rates in the report",
+             {:.2e} FLOP forward + {:.2e} FLOP Hessians + {:.2e} FLOP factorization ≈ {} s at the rates in the report",
             self.tokens,
             self.device,
             self.peak_bytes as f64 / 1e9,
@@ -244,7 +244,11 @@ impl Preflight {
             self.forward_flops,
             self.hessian_flops,
             self.factor_flops,
-            self.seconds
+            if self.seconds < 10.0 {
+                format!("{:.1}", self.seconds)
+            } else {
+                format!("{:.0}", self.seconds)
+            }
         )
     }
 }

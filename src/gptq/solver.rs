@@ -1173,6 +1173,21 @@ mod tests {
     }
 
     #[test]
+    fn non_finite_values_are_found_in_any_chunk() {
+        let mut v = vec![1.0f32; 3 * 65536 + 17];
+        assert!(all_finite(&v));
+        for (i, bad) in [
+            (0, f32::NAN),
+            (65536, f32::INFINITY),
+            (3 * 65536 + 16, -f32::INFINITY),
+        ] {
+            v[i] = bad;
+            assert!(!all_finite(&v), "{bad} at {i}");
+            v[i] = 1.0;
+        }
+    }
+
+    #[test]
     fn non_finite_inputs_are_refused_with_the_module_name() {
         let (n, k) = (4, 16);
         let h = hessian_of(&correlated_inputs(64, k, 71));

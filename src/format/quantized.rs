@@ -1033,31 +1033,45 @@ impl ModuleCodes {
         device: &candle_core::Device,
     ) -> Result<candle_core::Tensor> {
         #[cfg(feature = "cuda")]
-        if device.is_cuda() {
-            return match self {
-                ModuleCodes::Marlin {
-                    b,
-                    scales,
-                    src_row,
-                    group,
-                } => crate::kernels::cuda::dequant_marlin(device, b, scales, src_row, k, n, *group),
-                ModuleCodes::Gptq {
+        if let (
+            true,
+            ModuleCodes::Marlin {
+                b,
+                scales,
+                src_row,
+                group,
+            },
+        ) = (device.is_cuda(), self)
+        {
+            return crate::kernels::cuda::dequant_marlin(device, b, scales, src_row, k, n, *group);
+        }
+        match self {
+            ModuleCodes::Gptq {
+                qweight,
+                qzeros,
+                scales,
+                g_idx,
+                bits,
+                v1,
+            } => dequantize_gptq_tensor(
+                &GptqTensors {
                     qweight,
                     qzeros,
                     scales,
                     g_idx,
-                    bits,
-                    v1,
-                } => crate::kernels::cuda::dequant_gptq(
-                    device, qweight, qzeros, scales, g_idx, k, n, *bits, *v1,
-                ),
-            };
+                    k,
+                    n,
+                    bits: *bits,
+                    v1: *v1,
+                },
+                device,
+            ),
+            ModuleCodes::Marlin { .. } => Ok(candle_core::Tensor::from_vec(
+                self.dequantize(n, k)?,
+                (n, k),
+                device,
+            )?),
         }
-        Ok(candle_core::Tensor::from_vec(
-            self.dequantize(n, k)?,
-            (n, k),
-            device,
-        )?)
     }
 }
 
@@ -1074,9 +1088,10 @@ fn dequantize_gptq_nk(t: &GptqTensors) -> Result<Vec<f32>> {
     Ok(w)
 }
 
-/// [`ModuleCodes::dequantize_tensor`] for borrowed GPTQ tensors: the quantize pipeline decodes
-/// every module it has just packed, and copying 4.4 GB of qweight of the 9.5B model into
-/// fresh buffers first cost seconds.
+/// GPTQ tensors decoded to an f32 `[N, K]` tensor on `device` (the GPU kernel on a CUDA device,
+/// bit-identical to the CPU decode), from borrowed slices: [`ModuleCodes::dequantize_tensor`]
+/// and the quantize pipeline, which decodes every module it has just packed without copying
+/// its 4.4 GB of qweight (9.5B model) into fresh buffers first.
 pub fn dequantize_gptq_tensor(
     t: &GptqTensors,
     device: &candle_core::Device,

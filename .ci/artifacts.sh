@@ -36,6 +36,12 @@ step "inspect"
 "$BIN" inspect "$WORK/marlin" > "$WORK/inspect-marlin.txt"
 grep -q "SGLang         selects gptq_marlin" "$WORK/inspect-gptq.txt" \
   || { echo "FAIL: SGLang would not select gptq_marlin:" >&2; cat "$WORK/inspect-gptq.txt" >&2; exit 1; }
+step "inspect --engine sglang (the serving engine's load, emulated)"
+"$BIN" inspect "$WORK/gptq" --engine sglang > "$WORK/engine-gptq.txt" \
+  || { echo "FAIL: SGLang would not load the GPTQ output:" >&2; cat "$WORK/engine-gptq.txt" >&2; exit 1; }
+"$BIN" inspect "$WORK/marlin" --engine sglang --legacy-marlin > /dev/null \
+  || { echo "FAIL: the Marlin output fails the legacy-marlin load" >&2; exit 1; }
+test -f "$WORK/gptq/README.md" || { echo "FAIL: no model card in the output" >&2; exit 1; }
 step "eval-ppl comparison"
 "$BIN" eval-ppl --model "$MODEL" --compare "$WORK/gptq" --compare "$WORK/marlin" --compare "$WORK/rtn" \
   --data default --seqlen 256 --max-windows 64 --json > "$WORK/compare.json"

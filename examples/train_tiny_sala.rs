@@ -35,6 +35,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use clap::Parser;
+use soar_gptq::checkpoint::guard::InputPath;
 use soar_gptq::checkpoint::writer::{self, OutputDir, TensorSpec};
 use soar_gptq::checkpoint::Dtype;
 use soar_gptq::eval::{self, PplOptions};
@@ -610,7 +611,12 @@ fn main() -> Result<()> {
         all_refs.len()
     );
 
-    let out = OutputDir::create(&args.out, args.force)?;
+    let mut inputs = vec![
+        InputPath::new("--train", &args.train),
+        InputPath::new("--tokenizer", &args.tokenizer),
+    ];
+    inputs.extend(args.eval.iter().map(|e| InputPath::new("--eval", e)));
+    let out = OutputDir::create(&args.out, args.force, &inputs)?;
     let dir = out.path().to_path_buf();
     write_side_files(&dir, &cfg, &tok_bytes)?;
     let tspecs: Vec<TensorSpec> = specs

@@ -8,6 +8,7 @@
 pub mod calib;
 pub mod checkpoint;
 pub mod cli;
+pub mod engine;
 pub mod eval;
 pub mod format;
 pub mod gguf;
@@ -15,6 +16,7 @@ pub mod gptq;
 pub mod inspect;
 pub mod kernels;
 pub mod model;
+pub mod pack_marlin;
 pub mod quantize;
 pub mod rng;
 pub mod source;

@@ -4,6 +4,7 @@
 //! seed, and streamed: each tensor is generated in chunks while it is written, so the 9.5B preset
 //! never holds more than one chunk per core in memory.
 
+use crate::checkpoint::guard::InputPath;
 use crate::checkpoint::writer::{self, OutputDir, TensorSpec};
 use crate::checkpoint::Dtype;
 use crate::model::AnyConfig;
@@ -20,6 +21,8 @@ pub struct SynthOptions {
     pub out: PathBuf,
     pub seed: u64,
     pub tokenizer: Option<PathBuf>,
+    /// The config file the checkpoint was made from (an input the output may not alias).
+    pub config_file: Option<PathBuf>,
     pub shard_bytes: u64,
     pub force: bool,
 }
@@ -64,7 +67,14 @@ pub fn synth(cfg: &AnyConfig, opts: &SynthOptions) -> Result<PathBuf> {
             cfg.vocab_size()
         );
     }
-    let out = OutputDir::create(&opts.out, opts.force)?;
+    let inputs: Vec<InputPath> = [
+        ("--config", &opts.config_file),
+        ("--tokenizer", &opts.tokenizer),
+    ]
+    .into_iter()
+    .filter_map(|(flag, p)| p.as_ref().map(|p| InputPath::new(flag, p)))
+    .collect();
+    let out = OutputDir::create(&opts.out, opts.force, &inputs)?;
     let dir = out.path().to_path_buf();
     write_model_files(&dir, cfg, &tokenizer)?;
     let specs: Vec<TensorSpec> = cfg

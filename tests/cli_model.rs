@@ -392,6 +392,42 @@ fn hub_repo_ids_resolve_from_an_offline_cache() {
         1,
         "openbmb/Tiny-SALA@v2 is not in the Hugging Face cache",
     );
+    // Revisions and refs that would lead outside the cache are refused.
+    for rev in ["../../../x", "main/../../x", "/etc", "a//b", "."] {
+        let mut bad = args.to_vec();
+        bad.extend(["--revision", rev]);
+        let o = bin()
+            .args(&bad)
+            .env("HF_HUB_CACHE", &cache)
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .unwrap();
+        assert_fails(&o, 1, "is not a branch, tag or commit name");
+    }
+    std::fs::write(repo.join("refs").join("evil"), "../../../../m").unwrap();
+    let mut evil = args.to_vec();
+    evil.extend(["--revision", "evil"]);
+    let o = bin()
+        .args(&evil)
+        .env("HF_HUB_CACHE", &cache)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
+    assert_fails(&o, 1, "which is not a commit hash");
+    // A quantize output inside (or around) the cache's copy of the repo is refused before the
+    // model is read.
+    for out in [snap.join("q"), repo.clone(), cache.clone()] {
+        let o = bin()
+            .args(["quantize", "--model", "openbmb/Tiny-SALA", "--out"])
+            .arg(&out)
+            .arg("--force")
+            .env("HF_HUB_CACHE", &cache)
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .unwrap();
+        assert_fails(&o, 1, "the input --model");
+        assert!(snap.join("config.json").is_file());
+    }
     // A shard missing from the cache.
     std::fs::remove_file(shard_files(&snap).pop().unwrap()).unwrap();
     let o = bin()

@@ -439,7 +439,11 @@ fn rtn_dynamic_act_order_and_asym_write_what_they_say() {
     assert_eq!(j["settings"]["desc_act"], true);
 
     // Asymmetric: checkpoint_format gptq_v2, which gptq_marlin does not serve.
-    let asym = fx.quantized("asym", &["--asym"]);
+    // Asymmetric MiniCPM-SALA runs SGLang's float16-only gptq kernels, and SALA must run BF16:
+    // refused for SGLang before any work, written with --engine none.
+    let o = fx.quantize(&fx.path("asym"), &["--asym"]);
+    assert_fails_clean(&o, &fx.path("asym"), "float16 activations only");
+    let asym = fx.quantized("asym", &["--asym", "--engine", "none"]);
     let qc = &read_json(&asym.join("config.json"))["quantization_config"];
     assert_eq!(qc["checkpoint_format"], "gptq_v2");
     assert_eq!(qc["sym"], false);
@@ -705,13 +709,25 @@ fn bad_inputs_fail_cleanly_without_leaving_an_output() {
         &out,
         "--group-size 96 does not divide in_features 256 of model.layers.0.",
     );
+    // Bad option values are usage errors (exit 2), checked before the model is read.
+    for (args, needle) in [
+        (&["--bits", "5"][..], "5 cannot be packed"),
+        (&["--damp", "0"], "is not a damping fraction"),
+        (&["--damp", "2"], "is not a damping fraction"),
+        (&["--nsamples", "0"], "is not a positive whole number"),
+        (&["--seqlen", "0"], "is not a positive whole number"),
+        (&["--batch", "0"], "is not a positive whole number"),
+        (&["--group-size", "0"], "is not a group size"),
+        (&["--group-size", "-2"], "is not a group size"),
+    ] {
+        let o = q(args);
+        assert_fails(&o, 2, needle);
+        assert!(!out.exists() && !partial_path(&out).exists());
+    }
     let o = q(&["--bits", "5"]);
-    assert_fails_clean(&o, &out, "--bits 5 cannot be packed");
     assert!(stderr(&o).contains("2, 3, 4 or 8"), "{}", stderr(&o));
     let o = q(&["--skip", "("]);
     assert_fails_clean(&o, &out, "--skip \"(\" is not a valid regular expression");
-    let o = q(&["--damp", "0"]);
-    assert_fails_clean(&o, &out, "--damp 0 must be in (0, 1)");
 
     // Usage errors exit 2.
     for args in [
@@ -726,16 +742,19 @@ fn bad_inputs_fail_cleanly_without_leaving_an_output() {
     }
     assert_eq!(run(&["quantize", "--model", "x"]).status.code(), Some(2));
 
-    // An existing --out is kept unless --force replaces it.
+    // An existing --out is kept unless --force replaces it, and --force replaces model
+    // folders only.
     std::fs::create_dir(&out).unwrap();
     std::fs::write(out.join("keep.txt"), "mine").unwrap();
     let o = q(&[]);
     assert_fails(&o, 1, "--force");
+    assert_fails(&q(&["--force"]), 1, "does not look like a model folder");
     assert_eq!(
         std::fs::read_to_string(out.join("keep.txt")).unwrap(),
         "mine"
     );
     assert!(!partial_path(&out).exists());
+    std::fs::write(out.join("config.json"), "{}").unwrap();
     let o = q(&["--force"]);
     assert_ok(&o);
     assert!(!out.join("keep.txt").exists());

@@ -5,10 +5,20 @@
 use serde_json::{json, Value};
 use soar_gptq::checkpoint::writer::{partial_path, write_manifest, write_sharded, TensorSpec};
 use soar_gptq::checkpoint::{Checkpoint, Dtype};
+use soar_gptq::engine::Engine;
 use soar_gptq::format::{
-    dequantize_module, inspect_quantized, pack_marlin_checkpoint, pack_qweight, pack_qzeros,
-    quantized_prefixes, read_quant_info, validate_quantized_modules, QuantFormat,
+    dequantize_module, pack_qweight, pack_qzeros, quantized_prefixes, read_quant_info,
+    validate_quantized_modules, QuantFormat,
 };
+use soar_gptq::inspect::quantized::inspect_quantized;
+
+fn pack_marlin_checkpoint(
+    input: &Path,
+    out: &Path,
+    force: bool,
+) -> anyhow::Result<soar_gptq::pack_marlin::PackMarlinReport> {
+    soar_gptq::pack_marlin::pack_marlin_checkpoint(input, out, force, Some(Engine::Sglang))
+}
 use soar_gptq::model::config::preset;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -382,7 +392,13 @@ fn pack_marlin_stores_sort_indices_for_act_order() {
         ..SYM4
     };
     tiny_gptq(&gptq, q, None, 2);
-    let report = pack_marlin_checkpoint(&gptq, &out, false).unwrap();
+    // No engine reads the sort-indices extension: packing for SGLang is refused, naming why.
+    let e = pack_marlin_checkpoint(&gptq, &out, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("has no act-order"), "{e}");
+    assert!(!out.exists());
+    let report = soar_gptq::pack_marlin::pack_marlin_checkpoint(&gptq, &out, false, None).unwrap();
     assert_eq!(report.act_order_modules, 32);
     assert_eq!(assert_same_weights(&gptq, &out), 32);
     let mc = Checkpoint::open(&out).unwrap();
@@ -489,7 +505,7 @@ fn pack_marlin_refusals_name_the_module_and_leave_nothing() {
         "{:#}",
         pack_marlin_checkpoint(&gptq, &gptq, true).unwrap_err()
     );
-    assert!(err.contains("is the input folder"), "{err}");
+    assert!(err.contains("is the input --in"), "{err}");
     assert!(gptq.join("config.json").is_file());
 }
 
@@ -498,7 +514,7 @@ fn inspect_flags_a_file_corrupted_after_the_manifest() {
     let root = tempfile::tempdir().unwrap();
     let dir = root.path().join("gptq");
     tiny_gptq(&dir, SYM4, None, 3);
-    write_manifest(&dir).unwrap();
+    write_manifest(&dir, &[]).unwrap();
     let r = inspect_quantized(&dir).unwrap();
     assert_eq!(r.manifest.as_deref(), Some("all files match their SHA-256"));
     assert!(

@@ -202,6 +202,7 @@ fn synth_tiny(dir: &std::path::Path, seed: u64) -> Config {
             out: dir.to_path_buf(),
             seed,
             tokenizer: None,
+            config_file: None,
             shard_bytes: 4_000_000,
             force: false,
         },

@@ -317,6 +317,17 @@ fn a_llama_gguf_comes_back_as_its_checkpoint() {
     // An existing --out is refused without --force, and kept.
     assert_fails(&import(&gguf, &out, &[]), 1, "already exists");
     assert_ok(&import(&gguf, &out, &["--force"]));
+    // The folder that holds the .gguf is never an output, --force or not.
+    let sha = soar_gptq::checkpoint::writer::sha256_file(&gguf).unwrap();
+    assert_fails(
+        &import(&gguf, tmp.path(), &["--force"]),
+        1,
+        "contains the input --gguf",
+    );
+    assert_eq!(
+        soar_gptq::checkpoint::writer::sha256_file(&gguf).unwrap(),
+        sha
+    );
 }
 
 #[test]

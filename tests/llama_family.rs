@@ -75,6 +75,7 @@ fn synth(dir: &Path, cfg: &Value, seed: u64) -> AnyConfig {
             out: dir.to_path_buf(),
             seed,
             tokenizer: None,
+            config_file: None,
             shard_bytes: 1_000_000,
             force: false,
         },
@@ -525,13 +526,23 @@ fn the_commands_serve_the_dense_families() {
     ]));
     assert!(c["compared"][0]["top1_agreement"].as_f64().unwrap() > 0.5);
     // 128 = 2 heads of 64 rows: Marlin needs K % 128 == 0, which 128 is, and N % 64 == 0.
-    assert_ok(&run(&[
-        "pack-marlin",
-        "--in",
-        qq.to_str().unwrap(),
-        "--out",
-        root.join("qwen2-marlin").to_str().unwrap(),
-    ]));
+    // Group size 64 is beyond the legacy marlin method (128 or -1): refused for an engine,
+    // written for other B/s readers with --engine none.
+    let qm = root.join("qwen2-marlin");
+    let pack = |extra: &[&str]| {
+        let mut args = vec![
+            "pack-marlin",
+            "--in",
+            qq.to_str().unwrap(),
+            "--out",
+            qm.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        run(&args)
+    };
+    assert_fails(&pack(&[]), 1, "the legacy marlin method takes 128 or -1");
+    assert!(!qm.exists());
+    assert_ok(&pack(&["--engine", "none"]));
 }
 
 #[test]

@@ -100,7 +100,12 @@ fn gptq_beats_rtn_at_4_and_3_bits_on_held_out_text() {
     for bits in ["4", "3"] {
         for method in ["gptq", "rtn"] {
             let out = tmp.path().join(format!("{method}{bits}"));
-            quantize(&out, &["--bits", bits, "--method", method]);
+            // 3-bit MiniCPM-SALA is for evaluation only: SGLang's 3-bit kernels are float16-only.
+            let engine = if bits == "3" { "none" } else { "sglang" };
+            quantize(
+                &out,
+                &["--bits", bits, "--method", method, "--engine", engine],
+            );
             dirs.push(out);
         }
     }

@@ -1,4 +1,5 @@
 //! Safetensors checkpoints on disk: validated memory-mapped reading and atomic sharded writing.
+pub mod guard;
 pub mod reader;
 pub mod writer;
 

@@ -2,6 +2,7 @@
 //! be in memory), an output folder that only appears when complete (`<out>.partial` renamed into
 //! place), and `manifest.json` with the SHA-256 and size of every file.
 
+use super::guard;
 use super::reader::{Dtype, INDEX_FILE};
 use anyhow::{bail, Context, Result};
 use rayon::prelude::*;
@@ -72,6 +73,10 @@ pub fn write_sharded(
         groups.last_mut().unwrap().push(s);
         size += s.nbytes();
     }
+    if groups.is_empty() {
+        // No tensors (a layer whose every Linear is kept in 16 bits): one empty, valid shard.
+        groups.push(vec![]);
+    }
     let n = groups.len();
     let mut names = vec![];
     let mut weight_map = BTreeMap::new();
@@ -130,7 +135,7 @@ fn header_bytes(group: &[&TensorSpec]) -> Vec<u8> {
         off += s.nbytes();
     }
     let mut json = serde_json::to_vec(&map).expect("header serializes");
-    while json.len() % 8 != 0 {
+    while !json.len().is_multiple_of(8) {
         json.push(b' ');
     }
     let mut out = (json.len() as u64).to_le_bytes().to_vec();
@@ -143,22 +148,20 @@ pub fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
         .with_context(|| format!("cannot write {} (disk full?)", path.display()))
 }
 
-/// Copies the files of `names` that exist in `src` into `dst` (tokenizer, generation config...).
-pub fn copy_if_present(src: &Path, dst: &Path, names: &[&str]) -> Result<Vec<String>> {
-    let mut copied = vec![];
+/// Copies `names` from `src` into `dst` byte for byte (the tokenizer is never re-serialized:
+/// a re-written tokenizer.json served garbage under another transformers version).
+pub fn copy_files(src: &Path, dst: &Path, names: &[String]) -> Result<()> {
     for name in names {
         let from = src.join(name);
-        if from.is_file() {
-            std::fs::copy(&from, dst.join(name)).with_context(|| {
-                format!("cannot copy {} into {}", from.display(), dst.display())
-            })?;
-            copied.push(name.to_string());
-        }
+        std::fs::copy(&from, dst.join(name))
+            .with_context(|| format!("cannot copy {} into {}", from.display(), dst.display()))?;
     }
-    Ok(copied)
+    Ok(())
 }
 
-/// Files that travel with a model: tokenizer, chat template and generation settings.
+/// Files that travel with a model besides config and weights: tokenizer and processor files,
+/// chat template, generation settings, licence. Every `*.py` (the remote code `auto_map` names,
+/// and the modules it imports) and `*.tiktoken` travels too ([`is_side_file`]).
 pub const SIDE_FILES: &[&str] = &[
     "generation_config.json",
     "tokenizer.json",
@@ -167,29 +170,116 @@ pub const SIDE_FILES: &[&str] = &[
     "added_tokens.json",
     "tokenizer.model",
     "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "LICENSE",
+    "LICENSE.txt",
+    "LICENSE.md",
+    "NOTICE",
 ];
+
+/// Whether a file of a model folder (or hub repo, top level) travels into every output.
+pub fn is_side_file(name: &str) -> bool {
+    !name.contains('/')
+        && (SIDE_FILES.contains(&name) || name.ends_with(".py") || name.ends_with(".tiktoken"))
+}
+
+/// The side files present in `dir`, in name order.
+pub fn side_files(dir: &Path) -> Result<Vec<String>> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .with_context(|| format!("cannot list {}", dir.display()))?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().is_file())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| is_side_file(n))
+        .collect();
+    names.sort();
+    Ok(names)
+}
 
 /// An output folder under construction: everything is written to `<out>.partial`, and only
 /// [`OutputDir::commit`] moves it to `<out>`. Dropped without commit, the partial folder is
 /// removed, so a failed run never leaves a half-written checkpoint behind.
+///
+/// Opening one checks the output against the command's inputs ([`guard::check_output`]) and
+/// takes the advisory lock on `<out>.lock` for as long as it lives. An existing `<out>` is
+/// replaced only with `force`, only when it is a model folder (or empty), and only once the new
+/// output is complete: [`OutputDir::commit`] moves the old folder aside, renames the new one into
+/// place and then deletes the old one.
 pub struct OutputDir {
     pub out: PathBuf,
     pub partial: PathBuf,
     done: bool,
     keep_partial: bool,
+    /// Files copied byte for byte from the source, listed in the manifest.
+    copied: Vec<String>,
+    _lock: guard::OutputLock,
+}
+
+/// Files whose presence marks a folder as a model folder that `--force` may replace.
+const MODEL_FOLDER_MARKERS: &[&str] = &["config.json", MANIFEST_FILE, INDEX_FILE];
+
+/// `<out>.replaced`: where [`OutputDir::commit`] parks the old output while the new one moves in.
+fn replaced_path(out: &Path) -> PathBuf {
+    let mut s = out.as_os_str().to_os_string();
+    s.push(".replaced");
+    PathBuf::from(s)
+}
+
+/// Refuses to replace `out` unless `force` is given and `out` is a folder that holds a model (or
+/// nothing): `--force` on a folder of other files would delete them.
+fn check_replaceable(out: &Path, force: bool) -> Result<()> {
+    if out.symlink_metadata().is_err() {
+        return Ok(());
+    }
+    if !force {
+        bail!(
+            "output {} already exists: pass --force to replace it, or choose another --out",
+            out.display()
+        );
+    }
+    if !out.is_dir() {
+        bail!(
+            "output {} exists and is not a folder: remove it yourself or choose another --out              (--force replaces model folders only)",
+            out.display()
+        );
+    }
+    let empty = std::fs::read_dir(out)
+        .with_context(|| format!("cannot list {}", out.display()))?
+        .next()
+        .is_none();
+    if !empty && !MODEL_FOLDER_MARKERS.iter().any(|m| out.join(m).is_file()) {
+        bail!(
+            "output {} exists and does not look like a model folder (no {}): --force replaces              model folders only, so nothing else is ever deleted; remove it yourself or choose              another --out",
+            out.display(),
+            MODEL_FOLDER_MARKERS.join(", ")
+        );
+    }
+    Ok(())
 }
 
 impl OutputDir {
-    pub fn create(out: &Path, force: bool) -> Result<Self> {
+    /// Starts a new output at `out` (see the type's docs); `inputs` are every path the command
+    /// reads, which the output may not alias.
+    pub fn create(out: &Path, force: bool, inputs: &[guard::InputPath]) -> Result<Self> {
         let partial = partial_path(out);
-        if out.exists() && !force {
-            bail!(
-                "output {} already exists: pass --force to replace it, or choose another --out",
-                out.display()
-            );
-        }
-        if partial.exists() {
-            std::fs::remove_dir_all(&partial)
+        guard::check_output("--out", out, &[partial.clone(), replaced_path(out)], inputs)?;
+        let lock = guard::OutputLock::acquire("--out", out)?;
+        check_replaceable(out, force)?;
+        if partial.symlink_metadata().is_ok() {
+            if partial.join(RESUMABLE_MARKER).is_file() && !force {
+                bail!(
+                    "{} holds the finished layers of an interrupted run: rerun the same command                      with --resume to continue it, or add --force to discard it and start over",
+                    partial.display()
+                );
+            }
+            remove_path(&partial)
                 .with_context(|| format!("cannot remove stale {}", partial.display()))?;
         }
         std::fs::create_dir_all(&partial)
@@ -199,18 +289,17 @@ impl OutputDir {
             partial,
             done: false,
             keep_partial: false,
+            copied: vec![],
+            _lock: lock,
         })
     }
 
     /// Reopens an existing partial folder (for `--resume`).
-    pub fn reopen(out: &Path, force: bool) -> Result<Self> {
+    pub fn reopen(out: &Path, force: bool, inputs: &[guard::InputPath]) -> Result<Self> {
         let partial = partial_path(out);
-        if out.exists() && !force {
-            bail!(
-                "output {} already exists: pass --force to replace it, or choose another --out",
-                out.display()
-            );
-        }
+        guard::check_output("--out", out, &[partial.clone(), replaced_path(out)], inputs)?;
+        let lock = guard::OutputLock::acquire("--out", out)?;
+        check_replaceable(out, force)?;
         if !partial.is_dir() {
             bail!("nothing to resume: {} does not exist", partial.display());
         }
@@ -219,6 +308,8 @@ impl OutputDir {
             partial,
             done: false,
             keep_partial: false,
+            copied: vec![],
+            _lock: lock,
         })
     }
 
@@ -226,27 +317,80 @@ impl OutputDir {
         &self.partial
     }
 
+    /// Copies side files from `src` byte for byte and records them for the manifest's
+    /// `copied_from_source` list.
+    pub fn copy_from_source(&mut self, src: &Path, names: &[String]) -> Result<()> {
+        copy_files(src, &self.partial, names)?;
+        for n in names {
+            if !self.copied.contains(n) {
+                self.copied.push(n.clone());
+            }
+        }
+        self.copied.sort();
+        Ok(())
+    }
+
     /// Keep `<out>.partial` when dropped without commit (a resumable run).
     pub fn keep_on_failure(&mut self, keep: bool) {
         self.keep_partial = keep;
     }
 
-    /// Writes `manifest.json` and renames the partial folder into place.
+    /// Writes `manifest.json` and renames the partial folder into place. An old output is moved
+    /// aside first and deleted only after the new one is in place; if the rename fails, the old
+    /// output is put back.
     pub fn commit(mut self) -> Result<PathBuf> {
-        write_manifest(&self.partial)?;
-        if self.out.exists() {
-            std::fs::remove_dir_all(&self.out)
-                .with_context(|| format!("cannot remove old {}", self.out.display()))?;
+        write_manifest(&self.partial, &self.copied)?;
+        let replaced = replaced_path(&self.out);
+        let had_old = self.out.symlink_metadata().is_ok();
+        if had_old {
+            if replaced.symlink_metadata().is_ok() {
+                remove_path(&replaced)
+                    .with_context(|| format!("cannot remove {}", replaced.display()))?;
+            }
+            std::fs::rename(&self.out, &replaced).with_context(|| {
+                format!(
+                    "cannot move the old {} aside to {}",
+                    self.out.display(),
+                    replaced.display()
+                )
+            })?;
         }
-        std::fs::rename(&self.partial, &self.out).with_context(|| {
-            format!(
-                "cannot rename {} to {}",
-                self.partial.display(),
-                self.out.display()
-            )
-        })?;
+        if let Err(e) = std::fs::rename(&self.partial, &self.out) {
+            if had_old {
+                let _ = std::fs::rename(&replaced, &self.out);
+            }
+            return Err(e).with_context(|| {
+                format!(
+                    "cannot rename {} to {}",
+                    self.partial.display(),
+                    self.out.display()
+                )
+            });
+        }
         self.done = true;
+        if had_old {
+            remove_path(&replaced).with_context(|| {
+                format!(
+                    "the new {} is in place, but the old output could not be removed from {}",
+                    self.out.display(),
+                    replaced.display()
+                )
+            })?;
+        }
         Ok(self.out.clone())
+    }
+}
+
+/// A resumable quantize run leaves this file in its partial folder.
+pub const RESUMABLE_MARKER: &str = "journal/journal.json";
+
+/// Removes a folder tree, or a file or symlink (never following it).
+fn remove_path(p: &Path) -> std::io::Result<()> {
+    match p.symlink_metadata() {
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(p),
+        Ok(_) => std::fs::remove_file(p),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
     }
 }
 
@@ -285,8 +429,9 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// `{"files": {name: {"sha256", "size"}}}` over every regular file in `dir` except the
-/// manifest itself, in name order (so the manifest is byte-identical for identical folders).
+/// `{"files": {name: {"sha256", "size"}}, "unhashed": [...]}` over every regular file in `dir`
+/// except the manifest itself, in name order (so the manifest is byte-identical for identical
+/// folders).
 pub fn compute_manifest(dir: &Path) -> Result<serde_json::Value> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .with_context(|| format!("cannot list {}", dir.display()))?
@@ -315,8 +460,13 @@ pub fn compute_manifest(dir: &Path) -> Result<serde_json::Value> {
     Ok(serde_json::json!({ "files": files, "unhashed": unhashed }))
 }
 
-pub fn write_manifest(dir: &Path) -> Result<()> {
-    let m = compute_manifest(dir)?;
+/// Writes `manifest.json`; `copied` names the files that are byte copies of the source's
+/// (tokenizer, remote code...), listed as `copied_from_source`.
+pub fn write_manifest(dir: &Path, copied: &[String]) -> Result<()> {
+    let mut m = compute_manifest(dir)?;
+    if !copied.is_empty() {
+        m["copied_from_source"] = serde_json::json!(copied);
+    }
     write_file(
         &dir.join(MANIFEST_FILE),
         serde_json::to_string_pretty(&m)?.as_bytes(),
@@ -400,17 +550,20 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let out = root.path().join("q");
         {
-            let od = OutputDir::create(&out, false).unwrap();
+            let od = OutputDir::create(&out, false, &[]).unwrap();
             write_file(&od.path().join("x.txt"), b"x").unwrap();
             // dropped without commit
         }
         assert!(!out.exists() && !partial_path(&out).exists());
-        let od = OutputDir::create(&out, false).unwrap();
+        let od = OutputDir::create(&out, false, &[]).unwrap();
         write_file(&od.path().join("x.txt"), b"x").unwrap();
         od.commit().unwrap();
         assert!(out.join(MANIFEST_FILE).is_file());
         assert!(verify_manifest(&out).unwrap().is_empty());
-        let err = OutputDir::create(&out, false).err().unwrap().to_string();
+        let err = OutputDir::create(&out, false, &[])
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains("--force"), "{err}");
         std::fs::write(out.join("x.txt"), b"y").unwrap();
         let problems = verify_manifest(&out).unwrap();

@@ -112,10 +112,10 @@ pub struct QuantizeArgs {
     #[arg(long)]
     pub out: PathBuf,
     /// Bits per weight: 2, 3, 4 or 8 (Marlin serves 4 and 8; 2 and 3 use the engines' gptq kernel).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = parse_bits)]
     pub bits: u8,
     /// Columns per quantization group (-1: one group per row).
-    #[arg(long, default_value_t = 128, allow_hyphen_values = true)]
+    #[arg(long, default_value_t = 128, allow_hyphen_values = true, value_parser = parse_group_size)]
     pub group_size: i64,
     /// Column order of the solve: static (act-order with fixed groups, trivial g_idx),
     /// dynamic (desc_act with permuted g_idx) or off.
@@ -124,14 +124,14 @@ pub struct QuantizeArgs {
     /// Asymmetric quantization (zero points); not servable by gptq_marlin.
     #[arg(long)]
     pub asym: bool,
-    /// Initial damping as a fraction of mean(diag H); doubled on a failed factorization.
-    #[arg(long, default_value_t = 0.01)]
+    /// Initial damping as a fraction of mean(diag H), in (0, 1); doubled on a failed factorization.
+    #[arg(long, default_value_t = 0.01, value_parser = parse_damp)]
     pub damp: f64,
     /// Calibration windows.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = parse_positive)]
     pub nsamples: usize,
     /// Tokens per calibration window.
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = 2048, value_parser = parse_positive)]
     pub seqlen: usize,
     /// Seed for drawing calibration windows.
     #[arg(long, default_value_t = 0)]
@@ -170,11 +170,16 @@ pub struct QuantizeArgs {
     #[arg(long, value_enum, default_value_t = MethodArg::Gptq)]
     pub method: MethodArg,
     /// Calibration windows per forward batch.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = parse_positive)]
     pub batch: usize,
     /// Largest output shard in bytes.
     #[arg(long, default_value_t = DEFAULT_SHARD_BYTES)]
     pub shard_size: u64,
+    /// The serving engine the output is written for and checked against before the run and
+    /// before it is committed (docs/engines.md); `none` applies no engine's rules and checks
+    /// nothing (for checkpoints made to be evaluated, e.g. 3-bit MiniCPM-SALA).
+    #[arg(long, value_enum, default_value_t = TargetArg::Sglang)]
+    pub engine: TargetArg,
     /// Print the report as one JSON document on stdout.
     #[arg(long)]
     pub json: bool,
@@ -196,6 +201,79 @@ pub enum MethodArg {
     Rtn,
 }
 
+/// `--engine`: the serving engine an output is written for and checked against.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineArg {
+    Sglang,
+    Vllm,
+    Transformers,
+}
+
+impl From<EngineArg> for crate::engine::Engine {
+    fn from(e: EngineArg) -> Self {
+        match e {
+            EngineArg::Sglang => Self::Sglang,
+            EngineArg::Vllm => Self::Vllm,
+            EngineArg::Transformers => Self::Transformers,
+        }
+    }
+}
+
+/// `--engine` of commands that write a checkpoint: an engine, or `none` (no engine's rules
+/// applied, no load check: for checkpoints made to be evaluated, not served).
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TargetArg {
+    Sglang,
+    Vllm,
+    Transformers,
+    None,
+}
+
+impl TargetArg {
+    fn engine(self) -> Option<crate::engine::Engine> {
+        match self {
+            Self::Sglang => Some(crate::engine::Engine::Sglang),
+            Self::Vllm => Some(crate::engine::Engine::Vllm),
+            Self::Transformers => Some(crate::engine::Engine::Transformers),
+            Self::None => None,
+        }
+    }
+}
+
+fn parse_bits(s: &str) -> std::result::Result<u8, String> {
+    match s.parse::<u8>() {
+        Ok(b) if [2, 3, 4, 8].contains(&b) => Ok(b),
+        _ => Err(format!(
+            "{s} cannot be packed in the GPTQ format this tool writes: use 2, 3, 4 or 8"
+        )),
+    }
+}
+
+fn parse_group_size(s: &str) -> std::result::Result<i64, String> {
+    match s.parse::<i64>() {
+        Ok(g) if g == -1 || (g > 0 && g <= i32::MAX as i64) => Ok(g),
+        _ => Err(format!(
+            "{s} is not a group size: use -1 (one group per row) or a positive number of columns"
+        )),
+    }
+}
+
+fn parse_damp(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(d) if d > 0.0 && d < 1.0 => Ok(d),
+        _ => Err(format!(
+            "{s} is not a damping fraction: use a number in (0, 1), e.g. 0.01"
+        )),
+    }
+}
+
+fn parse_positive(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("{s} is not a positive whole number")),
+    }
+}
+
 #[derive(clap::Args, Debug)]
 pub struct PackMarlinArgs {
     /// GPTQ checkpoint folder.
@@ -207,6 +285,11 @@ pub struct PackMarlinArgs {
     /// Replace --out if it exists.
     #[arg(long)]
     pub force: bool,
+    /// The engine whose config rules the output follows and whose loader is emulated on it (as a
+    /// release with the legacy marlin method: no current release reads Marlin checkpoints);
+    /// `none` checks nothing.
+    #[arg(long, value_enum, default_value_t = TargetArg::Sglang)]
+    pub engine: TargetArg,
     /// Print the report as one JSON document on stdout.
     #[arg(long)]
     pub json: bool,
@@ -216,6 +299,14 @@ pub struct PackMarlinArgs {
 pub struct InspectArgs {
     /// Checkpoint folder.
     pub dir: PathBuf,
+    /// Emulate this engine's load of the folder (module set, tensors, config, remote code) and
+    /// exit 1 when it would fail.
+    #[arg(long, value_enum)]
+    pub engine: Option<EngineArg>,
+    /// With --engine on a Marlin checkpoint: check it as a release that still has the legacy
+    /// marlin method would load it (what pack-marlin checks).
+    #[arg(long, requires = "engine")]
+    pub legacy_marlin: bool,
     /// Print one JSON document on stdout instead of text.
     #[arg(long)]
     pub json: bool,
@@ -347,37 +438,10 @@ fn run(cli: Cli) -> Result<()> {
                 batch: a.batch,
                 shard_bytes: a.shard_size,
                 stop_after_layers: a.stop_after_layers,
+                engine: a.engine.engine(),
+                verify: a.verify,
             };
-            if !(a.damp > 0.0 && a.damp < 1.0) {
-                bail!("--damp {} must be in (0, 1)", a.damp);
-            }
-            let mut report = crate::quantize::quantize(&opts)?;
-            if a.verify {
-                let src = crate::source::resolve(&a.model, a.revision.as_deref())?;
-                let popts = PplOptions {
-                    seqlen: a.seqlen.min(512),
-                    max_windows: Some(16),
-                    bos: false,
-                    dtype: opts.dtype,
-                    device: opts.device.clone(),
-                    batch: a.batch,
-                };
-                let c = crate::eval::compare(
-                    &src.dir,
-                    std::slice::from_ref(&a.out),
-                    DEFAULT_EVAL_TEXT,
-                    &popts,
-                )?;
-                eprintln!(
-                    "verify: ppl {:.4} (source) → {:.4} (quantized), mean KL {:.5}, top-1 agreement {:.2}%",
-                    c.reference.ppl,
-                    c.compared[0].ppl,
-                    c.compared[0].mean_kl,
-                    100.0 * c.compared[0].top1_agreement
-                );
-                report.verify = Some(serde_json::to_value(&c)?);
-                crate::quantize::rewrite_report(&a.out, &report)?;
-            }
+            let report = crate::quantize::quantize(&opts)?;
             if a.json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
@@ -394,6 +458,7 @@ fn run(cli: Cli) -> Result<()> {
                 out: a.out,
                 seed: a.seed,
                 tokenizer: a.tokenizer,
+                config_file: a.config.clone(),
                 shard_bytes: a.shard_size,
                 force: a.force,
             };
@@ -401,19 +466,47 @@ fn run(cli: Cli) -> Result<()> {
             eprintln!("wrote {} ({} parameters)", out.display(), cfg.param_count());
         }
         Command::Inspect(a) => {
-            if crate::format::quantized::read_quant_info(&a.dir)?.is_some() {
-                let report = crate::format::inspect::inspect_quantized(&a.dir)?;
-                if a.json {
-                    println!("{}", serde_json::to_string_pretty(&report)?);
+            let quantized = crate::format::quantized::read_quant_info(&a.dir)?.is_some();
+            let inspect = || -> Result<Inspected> {
+                Ok(if quantized {
+                    Inspected::Quantized(crate::inspect::quantized::inspect_quantized(&a.dir)?)
                 } else {
-                    report.print_text();
+                    Inspected::Plain(crate::inspect::inspect(&a.dir)?)
+                })
+            };
+            match a.engine {
+                None => {
+                    let r = inspect()?;
+                    if a.json {
+                        println!("{}", serde_json::to_string_pretty(&r.to_json()?)?);
+                    } else {
+                        r.print_text();
+                    }
                 }
-            } else {
-                let report = crate::inspect::inspect(&a.dir)?;
-                if a.json {
-                    println!("{}", serde_json::to_string_pretty(&report)?);
-                } else {
-                    report.print_text();
+                Some(engine) => {
+                    // The engine's view first: it explains a failure better than validation.
+                    let check = crate::engine::check_dir(&a.dir, engine.into(), a.legacy_marlin)?;
+                    let validated = inspect();
+                    if a.json {
+                        let doc = serde_json::json!({
+                            "inspect": match &validated {
+                                Ok(r) => r.to_json()?,
+                                Err(_) => serde_json::Value::Null,
+                            },
+                            "validation_error": validated.as_ref().err().map(|e| format!("{e:#}")),
+                            "engine": check,
+                        });
+                        println!("{}", serde_json::to_string_pretty(&doc)?);
+                    } else {
+                        if let Ok(r) = &validated {
+                            r.print_text();
+                        }
+                        check.print_text();
+                    }
+                    if !check.loads {
+                        bail!("{}", check.error_text(&a.dir.display().to_string()));
+                    }
+                    validated?;
                 }
             }
         }
@@ -431,8 +524,12 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::PackMarlin(a) => {
-            let report =
-                crate::format::pack_marlin::pack_marlin_checkpoint(&a.input, &a.out, a.force)?;
+            let report = crate::pack_marlin::pack_marlin_checkpoint(
+                &a.input,
+                &a.out,
+                a.force,
+                a.engine.engine(),
+            )?;
             if a.json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
@@ -462,6 +559,27 @@ fn run(cli: Cli) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// An `inspect` report of either kind of folder.
+enum Inspected {
+    Quantized(crate::inspect::quantized::QuantInspectReport),
+    Plain(crate::inspect::InspectReport),
+}
+
+impl Inspected {
+    fn to_json(&self) -> Result<serde_json::Value> {
+        Ok(match self {
+            Self::Quantized(r) => serde_json::to_value(r)?,
+            Self::Plain(r) => serde_json::to_value(r)?,
+        })
+    }
+    fn print_text(&self) {
+        match self {
+            Self::Quantized(r) => r.print_text(),
+            Self::Plain(r) => r.print_text(),
+        }
+    }
 }
 
 fn print_comparison(reference: &str, c: &crate::eval::CompareReport) {

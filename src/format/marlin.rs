@@ -116,11 +116,11 @@ fn marlin_nibble_source(word: usize, nibble: usize) -> (usize, usize) {
 
 fn check_tile_shape(k: usize, n: usize) -> Result<()> {
     ensure!(
-        k > 0 && k % TILE_ROWS == 0,
+        k > 0 && k.is_multiple_of(TILE_ROWS),
         "Marlin tiles need K to be a positive multiple of {TILE_ROWS}, got K = {k}"
     );
     ensure!(
-        n > 0 && n % TILE_COLS == 0,
+        n > 0 && n.is_multiple_of(TILE_COLS),
         "Marlin tiles need N to be a positive multiple of {TILE_COLS}, got N = {n}"
     );
     Ok(())
@@ -199,7 +199,7 @@ fn scale_perm_for(groups: usize) -> &'static [usize] {
 fn check_scale_shape(len: usize, groups: usize, n: usize, chunk: usize) -> Result<()> {
     ensure!(groups > 0, "Marlin scales need at least one group row");
     ensure!(
-        n % chunk == 0,
+        n.is_multiple_of(chunk),
         "Marlin scale permutation works on chunks of {chunk} per row, N = {n} is not a multiple"
     );
     ensure!(
@@ -333,17 +333,17 @@ pub fn check_marlin_shape(k: usize, n: usize, group_size: i32, bits: u8, sym: bo
             "group size {group_size} is not one Marlin supports (-1, 32, 64 or 128)"
         ));
     }
-    if k == 0 || k % 128 != 0 {
+    if k == 0 || !k.is_multiple_of(128) {
         problems.push(format!(
             "K (in_features) = {k} is not a positive multiple of 128"
         ));
     }
-    if group_size > 0 && k % group_size as usize != 0 {
+    if group_size > 0 && !k.is_multiple_of(group_size as usize) {
         problems.push(format!(
             "K (in_features) = {k} is not a multiple of the group size {group_size}"
         ));
     }
-    if n == 0 || n % 64 != 0 {
+    if n == 0 || !n.is_multiple_of(64) {
         problems.push(format!(
             "N (out_features) = {n} is not a positive multiple of 64"
         ));

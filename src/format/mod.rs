@@ -10,15 +10,12 @@
 //! * [`quantized`]: reading GPTQ v1/v2 and Marlin checkpoints: settings ([`read_quant_info`],
 //!   `dynamic` rules), validation ([`validate_quantized`]) and bit-exact dequantization
 //!   ([`dequantize_module`]);
-//! * [`pack_marlin`](mod@pack_marlin): the `pack-marlin` command ([`pack_marlin_checkpoint`]),
-//!   including our act-order extension `{p}.g_idx_sort_indices`;
-//! * [`inspect`]: `inspect` of a quantized checkpoint ([`inspect_quantized`]), with the
-//!   SGLang / vLLM `gptq_marlin` eligibility.
+//!
+//! The commands built on them live above: `pack-marlin` in `crate::pack_marlin`, `inspect` of a
+//! quantized checkpoint in `crate::inspect::quantized`.
 
-pub mod inspect;
 pub mod marlin;
 pub mod pack;
-pub mod pack_marlin;
 pub mod quantized;
 
 pub use marlin::{
@@ -30,8 +27,6 @@ pub use pack::{
     pack_qweight, pack_qzeros, unpack_qweight, unpack_qzeros, GptqTensors,
 };
 
-pub use inspect::{gptq_marlin_verdicts, inspect_quantized, EngineVerdict, QuantInspectReport};
-pub use pack_marlin::{pack_marlin_checkpoint, PackMarlinReport};
 pub use quantized::{
     check_quantized_module, dequantize_gptq_tensor, dequantize_module, quantized_prefixes,
     read_module_codes, read_quant_info, validate_quantized, validate_quantized_modules,

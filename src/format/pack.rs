@@ -88,7 +88,7 @@ fn check_codes(
 ) -> Result<Layout> {
     let lay = layout(bits)?;
     ensure!(
-        k % lay.vals == 0,
+        k.is_multiple_of(lay.vals),
         "qweight packing needs K to be a multiple of {} for {bits}-bit codes, got K = {k}",
         lay.vals
     );
@@ -219,7 +219,7 @@ fn pack_nk_one_word<const BITS: usize>(
 pub fn unpack_qweight(words: &[i32], k: usize, n: usize, bits: u8) -> Result<Vec<u8>> {
     let lay = layout(bits)?;
     ensure!(
-        k % lay.vals == 0,
+        k.is_multiple_of(lay.vals),
         "qweight unpacking needs K to be a multiple of {} for {bits}-bit codes, got K = {k}",
         lay.vals
     );
@@ -256,7 +256,7 @@ pub fn unpack_qweight(words: &[i32], k: usize, n: usize, bits: u8) -> Result<Vec
 pub fn pack_qzeros(zeros: &[u8], groups: usize, n: usize, bits: u8, v1: bool) -> Result<Vec<i32>> {
     let lay = layout(bits)?;
     ensure!(
-        n % lay.vals == 0,
+        n.is_multiple_of(lay.vals),
         "qzeros packing needs N to be a multiple of {} for {bits}-bit zeros, got N = {n}",
         lay.vals
     );
@@ -307,7 +307,7 @@ pub fn unpack_qzeros(
 ) -> Result<Vec<u16>> {
     let lay = layout(bits)?;
     ensure!(
-        n % lay.vals == 0,
+        n.is_multiple_of(lay.vals),
         "qzeros unpacking needs N to be a multiple of {} for {bits}-bit zeros, got N = {n}",
         lay.vals
     );
@@ -408,7 +408,7 @@ pub fn i32_to_le_bytes(words: &[i32]) -> Vec<u8> {
 /// The little-endian bytes of a safetensors `I32` tensor as words.
 pub fn le_bytes_to_i32(bytes: &[u8]) -> Result<Vec<i32>> {
     ensure!(
-        bytes.len() % 4 == 0,
+        bytes.len().is_multiple_of(4),
         "int32 tensor data has {} bytes, not a multiple of 4",
         bytes.len()
     );
@@ -429,7 +429,7 @@ pub fn f32_to_f16_le_bytes(values: &[f32]) -> Vec<u8> {
 /// The little-endian bytes of an `F16` tensor widened (exactly) to f32.
 pub fn f16_le_bytes_to_f32(bytes: &[u8]) -> Result<Vec<f32>> {
     ensure!(
-        bytes.len() % 2 == 0,
+        bytes.len().is_multiple_of(2),
         "fp16 tensor data has {} bytes, not a multiple of 2",
         bytes.len()
     );

@@ -14,7 +14,7 @@
 //! * [`dequantize_module`] rebuilds one Linear's weight `[N, K]` (HF layout) bit-exactly:
 //!   `f32(scale_f16) · (code − zero)`, one rounding per value.
 //!
-//! Marlin act-order (soar-gptq extension, see [`pack_marlin`](mod@crate::format::pack_marlin)): a
+//! Marlin act-order (soar-gptq extension, see [`pack_marlin`](mod@crate::pack_marlin)): a
 //! module whose `desc_act` is true stores `{p}.g_idx_sort_indices` I32 `[K]`; Marlin row `k'`
 //! holds original row `sort[k']` and belongs to group `k' / g`.
 
@@ -207,15 +207,22 @@ impl QuantInfo {
         })
     }
 
-    /// The `-:` rule that keeps `module` unquantized, if any.
+    /// The rule that decides `module`: the first one that matches it, in the order the file
+    /// lists them, as the engines' `get_dynamic_override` takes it.
+    pub fn rule_for(&self, module: &str) -> Option<&DynamicRule> {
+        self.dynamic.iter().find(|r| r.matches(module))
+    }
+
+    /// The `-:` rule that keeps `module` unquantized, if the first rule that matches it is one.
     pub fn skip_rule(&self, module: &str) -> Option<&DynamicRule> {
-        self.dynamic.iter().find(|r| r.skip && r.matches(module))
+        self.rule_for(module).filter(|r| r.skip)
     }
 
     /// Settings of `module`, or `None` when a `-:` rule keeps it unquantized. The first matching
-    /// positive rule overrides the global settings.
+    /// rule decides: a skip, or overrides of the global settings.
     pub fn module_settings(&self, module: &str) -> Option<ModuleQuant> {
-        if self.skip_rule(module).is_some() {
+        let rule = self.rule_for(module);
+        if rule.is_some_and(|r| r.skip) {
             return None;
         }
         let mut m = ModuleQuant {
@@ -224,7 +231,7 @@ impl QuantInfo {
             sym: self.sym,
             desc_act: self.desc_act,
         };
-        if let Some(r) = self.dynamic.iter().find(|r| !r.skip && r.matches(module)) {
+        if let Some(r) = rule {
             let o = r.overrides;
             m.bits = o.bits.unwrap_or(m.bits);
             m.group_size = o.group_size.unwrap_or(m.group_size);
@@ -232,6 +239,14 @@ impl QuantInfo {
             m.desc_act = o.desc_act.unwrap_or(m.desc_act);
         }
         Some(m)
+    }
+
+    /// Puts the `dynamic` rules in the order their keys appear in the file (`order`, from
+    /// [`dynamic_key_order`]): parsed JSON objects do not keep it, and the first matching rule
+    /// wins.
+    pub fn order_rules(&mut self, order: &[String]) {
+        self.dynamic
+            .sort_by_key(|r| order.iter().position(|k| k == &r.key).unwrap_or(usize::MAX));
     }
 
     /// The `quant_method` as written (`method` for GPTQModel ≥ 7), if any.
@@ -320,17 +335,84 @@ fn parse_rule(key: &str, v: &Value, source: &Path) -> Result<DynamicRule> {
 pub fn read_quant_info(dir: &Path) -> Result<Option<QuantInfo>> {
     let cfg_path = dir.join(CONFIG_FILE);
     if cfg_path.is_file() {
-        let cfg = read_json(&cfg_path)?;
+        let text = read_text(&cfg_path)?;
+        let cfg = parse_json(&cfg_path, &text)?;
         match cfg.get("quantization_config") {
             None | Some(Value::Null) => {}
-            Some(q) => return QuantInfo::from_json(q.clone(), &cfg_path, true).map(Some),
+            Some(q) => {
+                let mut info = QuantInfo::from_json(q.clone(), &cfg_path, true)?;
+                info.order_rules(&dynamic_key_order(&text));
+                return Ok(Some(info));
+            }
         }
     }
     let qpath = dir.join(QUANTIZE_CONFIG_FILE);
     if qpath.is_file() {
-        return QuantInfo::from_json(read_json(&qpath)?, &qpath, false).map(Some);
+        let text = read_text(&qpath)?;
+        let mut info = QuantInfo::from_json(parse_json(&qpath, &text)?, &qpath, false)?;
+        info.order_rules(&dynamic_key_order(&text));
+        return Ok(Some(info));
     }
     Ok(None)
+}
+
+/// The keys of the `dynamic` object (of `quantization_config` in a config.json, or at the top
+/// of a quantize_config.json) in the order the text lists them; empty when there is none.
+pub fn dynamic_key_order(text: &str) -> Vec<String> {
+    use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
+    struct Keys(Vec<String>);
+    impl<'de> serde::Deserialize<'de> for Keys {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+            struct V;
+            impl<'de> Visitor<'de> for V {
+                type Value = Keys;
+                fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                    f.write_str("an object")
+                }
+                fn visit_map<A: MapAccess<'de>>(
+                    self,
+                    mut map: A,
+                ) -> std::result::Result<Keys, A::Error> {
+                    let mut keys = vec![];
+                    while let Some(k) = map.next_key::<String>()? {
+                        map.next_value::<IgnoredAny>()?;
+                        keys.push(k);
+                    }
+                    Ok(Keys(keys))
+                }
+            }
+            d.deserialize_map(V)
+        }
+    }
+    #[derive(serde::Deserialize)]
+    struct Settings {
+        #[serde(default)]
+        dynamic: Option<Keys>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Config {
+        #[serde(default)]
+        quantization_config: Option<Settings>,
+        #[serde(default)]
+        dynamic: Option<Keys>,
+    }
+    match serde_json::from_str::<Config>(text) {
+        Ok(c) => c
+            .quantization_config
+            .and_then(|q| q.dynamic)
+            .or(c.dynamic)
+            .map(|k| k.0)
+            .unwrap_or_default(),
+        Err(_) => vec![],
+    }
+}
+
+fn read_text(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))
+}
+
+fn parse_json(path: &Path, text: &str) -> Result<Value> {
+    serde_json::from_str(text).with_context(|| format!("{} is not valid JSON", path.display()))
 }
 
 pub(crate) fn read_json(path: &Path) -> Result<Value> {
@@ -564,7 +646,7 @@ fn check_gptq_module(
         at(ck, qw)
     );
     ensure!(
-        qshape[0] % words == 0,
+        qshape[0].is_multiple_of(words),
         "{} has {} rows, not a whole number of {bits}-bit packing blocks ({words} rows hold \
          {vals} input rows)",
         at(ck, qw),
@@ -721,7 +803,7 @@ fn check_marlin_module(
     );
     let bshape = &ck.get(&b).unwrap().shape;
     ensure!(
-        bshape.len() == 2 && bshape[1] % 2 == 0,
+        bshape.len() == 2 && bshape[1].is_multiple_of(2),
         "{} has shape {bshape:?}, expected [K/16, 2N]",
         at(ck, &b)
     );

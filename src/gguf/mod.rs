@@ -10,6 +10,7 @@
 
 pub mod tokenizer;
 
+use crate::checkpoint::guard::InputPath;
 use crate::checkpoint::writer::{self, OutputDir, TensorSpec};
 use crate::checkpoint::Dtype;
 use crate::model::llama::LlamaConfig;
@@ -84,7 +85,11 @@ impl ImportReport {
 /// llama.cpp's Q/K row order back to the Hugging Face order, for a `[rows, cols]` row-major
 /// matrix of `heads` heads: GGUF row `h·d + 2j + s` is HF row `h·d + s·d/2 + j`.
 pub fn unpermute_rows(w: &[f32], rows: usize, cols: usize, heads: usize) -> Result<Vec<f32>> {
-    if heads == 0 || rows % heads != 0 || (rows / heads) % 2 != 0 || w.len() != rows * cols {
+    if heads == 0
+        || !rows.is_multiple_of(heads)
+        || !(rows / heads).is_multiple_of(2)
+        || w.len() != rows * cols
+    {
         bail!("cannot un-permute a [{rows}, {cols}] matrix into {heads} heads of even size");
     }
     let d = rows / heads;
@@ -426,7 +431,11 @@ pub fn import_gguf(opts: &ImportOptions) -> Result<ImportReport> {
     let tok = vocab.build().map_err(ctx)?;
     tokenizer::check_round_trip(&tok, tokenizer::ROUND_TRIP_SAMPLE).map_err(ctx)?;
 
-    let out = OutputDir::create(&opts.out, opts.force)?;
+    let out = OutputDir::create(
+        &opts.out,
+        opts.force,
+        &[InputPath::new("--gguf", &opts.gguf)],
+    )?;
     let dir = out.path().to_path_buf();
     let specs: Vec<TensorSpec> = plan
         .iter()

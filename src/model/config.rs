@@ -185,7 +185,7 @@ impl Config {
                 bail!("{name} is 0");
             }
         }
-        if self.hidden_size % self.num_attention_heads != 0 {
+        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             bail!(
                 "hidden_size {} is not divisible by num_attention_heads {}",
                 self.hidden_size,
@@ -201,21 +201,24 @@ impl Config {
                 self.hidden_size / self.num_attention_heads
             );
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             bail!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.num_attention_heads,
                 self.num_key_value_heads
             );
         }
-        if self.lightning_nh % self.lightning_nkv != 0 {
+        if !self.lightning_nh.is_multiple_of(self.lightning_nkv) {
             bail!(
                 "lightning_nh {} is not a multiple of lightning_nkv {}",
                 self.lightning_nh,
                 self.lightning_nkv
             );
         }
-        if self.head_dim % 2 != 0 || self.lightning_head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) || !self.lightning_head_dim.is_multiple_of(2) {
             bail!(
                 "head dimensions must be even for RoPE (head_dim {}, lightning_head_dim {})",
                 self.head_dim,

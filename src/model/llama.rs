@@ -268,7 +268,7 @@ impl LlamaConfig {
         }
         let heads = r.num_attention_heads;
         let kv_heads = r.num_key_value_heads.unwrap_or(heads);
-        if kv_heads == 0 || heads % kv_heads != 0 {
+        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             bail!(
                 "num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
             );
@@ -276,7 +276,7 @@ impl LlamaConfig {
         let head_dim = match r.head_dim {
             Some(d) => d,
             None => {
-                if r.hidden_size % heads != 0 {
+                if !r.hidden_size.is_multiple_of(heads) {
                     bail!(
                         "hidden_size {} is not divisible by num_attention_heads {heads} (and config.json has no head_dim)",
                         r.hidden_size

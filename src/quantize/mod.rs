@@ -8,13 +8,16 @@
 //! of everything that determines it), so `--resume` can continue after a crash; the journal is
 //! then assembled into the final sharded GPTQ checkpoint and the folder renamed into place.
 
+mod card;
 mod journal;
 mod report;
 pub mod stages;
 
 use crate::calib::{self, CalibSpec, ChatFormat};
-use crate::checkpoint::writer::{self, OutputDir, TensorSpec, SIDE_FILES};
+use crate::checkpoint::guard::{self, InputPath};
+use crate::checkpoint::writer::{self, OutputDir, TensorSpec};
 use crate::checkpoint::{Checkpoint, Dtype};
+use crate::engine::{self, config::ConfigEdits, Engine};
 use crate::format;
 use crate::gptq::{self, ActOrder, HessianAccumulator, QuantParams, QuantizedLinear, SolveOptions};
 use crate::model::{AnyConfig, AnyLayer, AnyModel, LinearGroup};
@@ -64,6 +67,11 @@ pub struct QuantizeOptions {
     pub shard_bytes: u64,
     /// Stop (with an error) after this many layers: for testing `--resume`.
     pub stop_after_layers: Option<usize>,
+    /// The serving engine the output is written for and checked against (`None`: no engine's
+    /// rules, no check).
+    pub engine: Option<Engine>,
+    /// Score the source and the output on the embedded evaluation text before committing.
+    pub verify: bool,
 }
 
 /// Sentinel error that ends a layer's forward once the wanted subset's input has been seen.
@@ -345,9 +353,67 @@ fn load_saved_hessian(
     Ok(a)
 }
 
+/// Every path `quantize` reads besides the model: calibration files and folders, saved Hessians.
+fn side_inputs(opts: &QuantizeOptions) -> Vec<InputPath> {
+    let mut v: Vec<InputPath> = opts
+        .calib
+        .iter()
+        .filter(|c| c.path != "default")
+        .map(|c| InputPath::new("--calib", &c.path))
+        .collect();
+    v.extend(
+        opts.load_hessians
+            .iter()
+            .map(|d| InputPath::new("--load-hessians", d)),
+    );
+    v
+}
+
+/// `--save-hessians` is an output too: it may not alias an input or `--out`, and an existing
+/// folder that holds files is written into only with `--force` (or `--resume`, which continues
+/// the run that filled it).
+fn check_hessian_dir(dir: &Path, opts: &QuantizeOptions, inputs: &[InputPath]) -> Result<()> {
+    let mut all = inputs.to_vec();
+    all.push(InputPath::new("--out", &opts.out));
+    all.push(InputPath::new("--out", writer::partial_path(&opts.out)));
+    guard::check_output("--save-hessians", dir, &[], &all)?;
+    if dir.exists() && !opts.force && !opts.resume {
+        let used = std::fs::read_dir(dir)
+            .with_context(|| format!("cannot list --save-hessians {}", dir.display()))?
+            .next()
+            .is_some();
+        if used {
+            bail!(
+                "--save-hessians {} already holds files: pass --force to write over them, or \
+                 choose an empty or new folder",
+                dir.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     let t0 = Instant::now();
+    // The output is checked against the inputs before anything is read or downloaded (for a
+    // hub model, against its folder in the cache); again below with the resolved files.
+    let mut inputs = side_inputs(opts);
+    if let Some(repo_dir) = crate::source::cache_repo_dir(&opts.model) {
+        inputs.push(InputPath::new("--model", repo_dir));
+    } else {
+        inputs.push(InputPath::new("--model", &opts.model));
+    }
+    guard::check_output(
+        "--out",
+        &opts.out,
+        &[writer::partial_path(&opts.out)],
+        &inputs,
+    )?;
+    if let Some(dir) = &opts.save_hessians {
+        check_hessian_dir(dir, opts, &inputs)?;
+    }
     let src = crate::source::resolve(&opts.model, opts.revision.as_deref())?;
+    inputs.extend(guard::model_inputs("--model", &src.dir));
     let cfg = AnyConfig::from_file(&src.dir.join("config.json"))?;
     let ck = Checkpoint::open(&src.dir)?;
     ck.validate_exact(&cfg.expected_tensors())?;
@@ -431,6 +497,48 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         load_hessians: opts.load_hessians.as_ref().map(|p| p.display().to_string()),
     };
 
+    // The engine check on the output as it will be written, before any work: a checkpoint the
+    // engine cannot load is refused now rather than after the run.
+    let src_config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(src.dir.join("config.json"))
+            .with_context(|| format!("cannot read {}", src.dir.join("config.json").display()))?,
+    )
+    .with_context(|| {
+        format!(
+            "{} is not valid JSON",
+            src.dir.join("config.json").display()
+        )
+    })?;
+    let specs = output_specs(&cfg, &ck, &plan, opts.bits, opts.group_size)?;
+    let side = writer::side_files(&src.dir)?;
+    if let Some(target) = opts.engine {
+        let qc = quantization_config(opts, &settings, &plan, opts.damp, serde_json::json!([]), "")?;
+        let (config, _) = output_config(&src_config, &qc, opts.engine);
+        let view = planned_view(&src.dir, &config, &specs, &side);
+        let check = engine::check(&view, target, false)?;
+        if !check.loads {
+            bail!(
+                "{}\nNothing was quantized. Change the settings, pick the engine you serve with \
+                 (--engine sglang|vllm|transformers), or pass --engine none to write a checkpoint \
+                 for evaluation only",
+                check.error_text(&format!(
+                    "the output of these settings ({})",
+                    opts.out.display()
+                ))
+            );
+        }
+    }
+
+    // The output folder (and its lock) before the heavy work: an existing --out, resumable work
+    // or a concurrent run is refused now.
+    let mut out = if opts.resume {
+        OutputDir::reopen(&opts.out, opts.force, &inputs)?
+    } else {
+        OutputDir::create(&opts.out, opts.force, &inputs)?
+    };
+    // A resumed run never deletes the partial folder it was given, even when it refuses it.
+    out.keep_on_failure(opts.resume);
+
     // Calibration.
     let chat = ChatFormat::from_model_dir(&src.dir)?;
     let sources = calib::load_sources(&opts.calib, &chat)?;
@@ -446,13 +554,6 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     // Hashes that pin down the output, for the journal and the report.
     let hashes = journal::Hashes::compute(&src.dir, &ck, &settings, &calib.sha256)?;
 
-    let mut out = if opts.resume {
-        OutputDir::reopen(&opts.out, opts.force)?
-    } else {
-        OutputDir::create(&opts.out, opts.force)?
-    };
-    // A resumed run never deletes the partial folder it was given, even when it refuses it.
-    out.keep_on_failure(opts.resume);
     let jdir = out.path().join("journal");
     let mut journal = if opts.resume {
         let j = Journal::load(&jdir)?;
@@ -464,6 +565,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         Journal::new(hashes.clone())
     };
     if let Some(dir) = &opts.save_hessians {
+        check_hessian_dir(dir, opts, &inputs)?;
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create --save-hessians folder {}", dir.display()))?;
     }
@@ -511,20 +613,67 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     // Assemble the checkpoint from the journal.
     let pb = crate::cli::progress::bar(1, "write");
     let t_write = Instant::now();
-    let qc = quantization_config(opts, &settings, &journal, &calib);
-    assemble(
-        out.path(),
-        &src.dir,
-        &ck,
-        &cfg,
-        &plan,
-        &journal,
-        &jdir,
+    let damp_max = journal
+        .layers
+        .iter()
+        .flat_map(|l| l.rows.iter().filter(|r| r.quantized).map(|r| r.damp))
+        .fold(0.0, f64::max);
+    let qc = quantization_config(
         opts,
-        &qc,
+        &settings,
+        &plan,
+        damp_max,
+        serde_json::to_value(&calib.usage)?,
+        &calib.sha256,
     )?;
-    std::fs::remove_dir_all(&jdir).with_context(|| format!("cannot remove {}", jdir.display()))?;
+    let (config, config_edits) = output_config(&src_config, &qc, opts.engine);
+    assemble(
+        &mut out, &src.dir, &ck, &specs, &journal, &jdir, opts, &config, &side,
+    )?;
+    // The engine check again, on the files as written.
+    let engine_check = match opts.engine {
+        Some(target) => {
+            let c = engine::check_dir(out.path(), target, false)?;
+            if !c.loads {
+                bail!(
+                    "{}\nThe output was not committed (this is a bug in soar-gptq: the check \
+                     before the run passed; please report it)",
+                    c.error_text(&out.path().display().to_string())
+                );
+            }
+            Some(c)
+        }
+        None => None,
+    };
     pb.finish_and_clear();
+    let verify = if opts.verify {
+        let popts = crate::eval::PplOptions {
+            seqlen: opts.seqlen.min(512),
+            max_windows: Some(16),
+            bos: false,
+            dtype: opts.dtype,
+            device: opts.device.clone(),
+            batch: opts.batch,
+        };
+        let mut c = crate::eval::compare(
+            &src.dir,
+            &[out.path().to_path_buf()],
+            crate::eval::DEFAULT_EVAL_TEXT,
+            &popts,
+        )?;
+        c.reference_model = src.description.clone();
+        c.compared[0].model = opts.out.display().to_string();
+        eprintln!(
+            "verify: ppl {:.4} (source) → {:.4} (quantized), mean KL {:.5}, top-1 agreement {:.2}%",
+            c.reference.ppl,
+            c.compared[0].ppl,
+            c.compared[0].mean_kl,
+            100.0 * c.compared[0].top1_agreement
+        );
+        Some(c)
+    } else {
+        None
+    };
     let mut report = QuantizeReport {
         tool: format!("soar-gptq {}", env!("CARGO_PKG_VERSION")),
         model: src.description.clone(),
@@ -536,12 +685,21 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         seconds: BTreeMap::new(),
         total_seconds: 0.0,
         peak_rss_bytes: None,
-        verify: None,
+        verify: verify.as_ref().map(serde_json::to_value).transpose()?,
         output: opts.out.display().to_string(),
+        engine: opts.engine.map_or("none", Engine::name).to_string(),
+        config_edits,
+        copied_from_source: side.clone(),
+        engine_check,
         stages: None,
         preflight: None,
         gpu_memory: None,
     };
+    writer::write_file(
+        &out.path().join("README.md"),
+        card::model_card(&report, verify.as_ref()).as_bytes(),
+    )?;
+    std::fs::remove_dir_all(&jdir).with_context(|| format!("cannot remove {}", jdir.display()))?;
     report.seconds.insert(
         "layers".into(),
         journal.layers.iter().map(|l| l.seconds).sum(),
@@ -897,24 +1055,63 @@ fn run_layers_inner(
     Ok(())
 }
 
+/// The `dynamic` rules of the output: `"-:.*(?:REGEX)": {}` per `--skip` (engines apply rules
+/// with Python's `re.match`, anchored at the start, while `--skip` searches anywhere in the
+/// name), plus, for every fused group the skips keep in 16 bits whose fused name
+/// (`model.layers.i.self_attn.qkv_proj`, what SGLang and vLLM match rules against) none of
+/// those rules matches, an exact rule for that name.
+fn dynamic_rules(
+    opts: &QuantizeOptions,
+    plan: &[Vec<(String, bool)>],
+) -> Result<serde_json::Map<String, serde_json::Value>> {
+    let mut dynamic = serde_json::Map::new();
+    let mut user = vec![];
+    for r in &opts.skip {
+        let key = format!("-:.*(?:{r})");
+        user.push(
+            regex::Regex::new(&format!("^(?:.*(?:{r}))"))
+                .map_err(|e| anyhow!("--skip {r:?} is not a valid regular expression: {e}"))?,
+        );
+        dynamic.insert(key, serde_json::json!({}));
+    }
+    for (i, mods) in plan.iter().enumerate() {
+        for group in FUSED {
+            let members: Vec<&(String, bool)> = mods
+                .iter()
+                .filter(|(m, _)| group.contains(&m.as_str()))
+                .collect();
+            if members.is_empty() || !members.iter().all(|(_, skipped)| *skipped) {
+                continue;
+            }
+            let (parent, _) = group[0].rsplit_once('.').expect("qualified member");
+            let leaf = if group.len() == 3 {
+                "qkv_proj"
+            } else {
+                "gate_up_proj"
+            };
+            let fused = format!("model.layers.{i}.{parent}.{leaf}");
+            if !user.iter().any(|r| r.is_match(&fused)) {
+                dynamic.insert(
+                    format!("-:{}", regex::escape(&fused)),
+                    serde_json::json!({}),
+                );
+            }
+        }
+    }
+    Ok(dynamic)
+}
+
+/// `quantization_config` of the output. `damp_max` and the calibration fields are the run's;
+/// before the run (the engine pre-check) placeholders of the same shape stand in.
 fn quantization_config(
     opts: &QuantizeOptions,
     s: &Settings,
-    journal: &Journal,
-    calib: &calib::CalibSet,
-) -> serde_json::Value {
-    let mut dynamic = serde_json::Map::new();
-    for r in &opts.skip {
-        // Engines apply rules with Python's re.match (anchored at the start of the module
-        // name), while --skip searches anywhere in it; `.*(?:…)` gives the same matches.
-        dynamic.insert(format!("-:.*(?:{r})"), serde_json::json!({}));
-    }
-    let damps: Vec<f64> = journal
-        .layers
-        .iter()
-        .flat_map(|l| l.rows.iter().filter(|r| r.quantized).map(|r| r.damp))
-        .collect();
-    serde_json::json!({
+    plan: &[Vec<(String, bool)>],
+    damp_max: f64,
+    calib_usage: serde_json::Value,
+    calib_sha256: &str,
+) -> Result<serde_json::Value> {
+    let mut qc = serde_json::json!({
         "quant_method": "gptq",
         "bits": opts.bits,
         "group_size": opts.group_size,
@@ -926,37 +1123,51 @@ fn quantization_config(
         "damp_percent": opts.damp,
         "true_sequential": opts.true_sequential,
         "static_groups": opts.act_order == ActOrder::Static,
-        "dynamic": dynamic,
+        "dynamic": dynamic_rules(opts, plan)?,
         "meta": {
             "quantizer": [format!("soar-gptq:{}", env!("CARGO_PKG_VERSION"))],
             "method": s.method,
             "act_order": s.act_order,
             "damp_percent": opts.damp,
-            "damp_max_used": damps.iter().cloned().fold(0.0, f64::max),
+            "damp_max_used": damp_max,
             "mse": opts.mse,
             "true_sequential": opts.true_sequential,
             "static_groups": opts.act_order == ActOrder::Static,
             "nsamples": opts.nsamples,
             "seqlen": opts.seqlen,
             "seed": opts.seed,
-            "calibration": calib.usage,
-            "calibration_sha256": calib.sha256,
+            "engine": opts.engine.map_or("none", Engine::name),
+            "calibration": calib_usage,
+            "calibration_sha256": calib_sha256,
         }
-    })
+    });
+    // transformers ignores `dynamic`: it needs the quantized modules listed (optimum keeps the
+    // Linears whose names end with an entry).
+    let skipped = plan.iter().flatten().any(|(_, s)| *s);
+    if opts.engine == Some(Engine::Transformers) && skipped {
+        let names: Vec<String> = plan
+            .iter()
+            .enumerate()
+            .flat_map(|(i, mods)| {
+                mods.iter()
+                    .filter(|(_, s)| !s)
+                    .map(move |(m, _)| format!("model.layers.{i}.{m}"))
+            })
+            .collect();
+        qc["modules_in_block_to_quantize"] = serde_json::json!([names]);
+    }
+    Ok(qc)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn assemble(
-    dir: &Path,
-    src_dir: &Path,
-    ck: &Checkpoint,
+/// The output's tensors in the order they are written: the source's, with every quantized
+/// Linear replaced by its GPTQ set (`qweight`, `qzeros`, `scales`, `g_idx`).
+fn output_specs(
     cfg: &AnyConfig,
+    ck: &Checkpoint,
     plan: &[Vec<(String, bool)>],
-    journal: &Journal,
-    jdir: &Path,
-    opts: &QuantizeOptions,
-    qc: &serde_json::Value,
-) -> Result<()> {
+    bits: u8,
+    group_size: i64,
+) -> Result<Vec<TensorSpec>> {
     let quantized: std::collections::BTreeSet<String> = plan
         .iter()
         .enumerate()
@@ -966,19 +1177,14 @@ fn assemble(
                 .map(move |(m, _)| format!("model.layers.{i}.{m}"))
         })
         .collect();
-    let layer_files: Vec<Checkpoint> = journal
-        .layers
-        .iter()
-        .map(|l| journal::open_layer_file(jdir, l))
-        .collect::<Result<_>>()?;
+    let (vals, words) = crate::format::pack::block_shape(bits)?;
     let mut specs = vec![];
     for (name, shape) in cfg.expected_tensors() {
         let prefix = name.strip_suffix(".weight").unwrap_or(&name);
         if quantized.contains(prefix) {
             let (n, k) = (shape[0], shape[1]);
-            let (vals, words) = crate::format::pack::block_shape(opts.bits)?;
-            let g = if opts.group_size > 0 {
-                k / opts.group_size as usize
+            let g = if group_size > 0 {
+                k / group_size as usize
             } else {
                 1
             };
@@ -1007,7 +1213,95 @@ fn assemble(
             specs.push(TensorSpec::new(name.clone(), e.dtype, shape));
         }
     }
-    writer::write_sharded(dir, &specs, opts.shard_bytes, |spec, w| {
+    Ok(specs)
+}
+
+/// The output's config.json: the source's as the engine needs it (see
+/// [`engine::config::engine_config`]) with `quantization_config`.
+fn output_config(
+    src_config: &serde_json::Value,
+    qc: &serde_json::Value,
+    engine: Option<Engine>,
+) -> (serde_json::Value, ConfigEdits) {
+    let (mut config, edits) = engine::config::engine_config(src_config, engine, "bfloat16");
+    config["quantization_config"] = qc.clone();
+    (config, edits)
+}
+
+/// What the engine will read of the output, before a single layer runs: the config and tensor
+/// names it will have, and the side files it will carry.
+fn planned_view(
+    src_dir: &Path,
+    config: &serde_json::Value,
+    specs: &[TensorSpec],
+    side: &[String],
+) -> engine::FolderView {
+    let mut files: std::collections::BTreeSet<String> = side.iter().cloned().collect();
+    for f in [
+        "config.json",
+        "quantize_config.json",
+        crate::checkpoint::reader::INDEX_FILE,
+        "README.md",
+        writer::MANIFEST_FILE,
+    ] {
+        files.insert(f.to_string());
+    }
+    let read_json = |name: &str| -> Option<serde_json::Value> {
+        side.iter().any(|s| s == name).then(|| {
+            serde_json::from_str(&std::fs::read_to_string(src_dir.join(name)).ok()?).ok()
+        })?
+    };
+    engine::FolderView {
+        label: "the output".to_string(),
+        config: config.clone(),
+        quantize_config: config.get("quantization_config").cloned(),
+        tokenizer_config: read_json("tokenizer_config.json"),
+        tensors: specs
+            .iter()
+            .map(|s| {
+                (
+                    s.name.clone(),
+                    engine::TensorView {
+                        dtype: s.dtype,
+                        shape: s.shape.clone(),
+                    },
+                )
+            })
+            .collect(),
+        files,
+        texts: side
+            .iter()
+            .filter(|f| f.ends_with(".py"))
+            .filter_map(|f| {
+                let b = std::fs::read(src_dir.join(f)).ok()?;
+                Some((f.clone(), String::from_utf8_lossy(&b).into_owned()))
+            })
+            .collect(),
+        dynamic_order: vec![],
+    }
+}
+
+/// Writes the checkpoint from the journal into `out`: shards and index, config.json,
+/// quantize_config.json, and the source's side files copied byte for byte.
+#[allow(clippy::too_many_arguments)]
+fn assemble(
+    out: &mut OutputDir,
+    src_dir: &Path,
+    ck: &Checkpoint,
+    specs: &[TensorSpec],
+    journal: &Journal,
+    jdir: &Path,
+    opts: &QuantizeOptions,
+    config: &serde_json::Value,
+    side: &[String],
+) -> Result<()> {
+    let dir = out.path().to_path_buf();
+    let layer_files: BTreeMap<usize, Checkpoint> = journal
+        .layers
+        .iter()
+        .map(|l| Ok((l.index, journal::open_layer_file(jdir, l)?)))
+        .collect::<Result<_>>()?;
+    writer::write_sharded(&dir, specs, opts.shard_bytes, |spec, w| {
         if ck.contains(&spec.name) {
             w.write_all(ck.bytes(&spec.name)?)?;
         } else {
@@ -1017,30 +1311,21 @@ fn assemble(
                 .nth(2)
                 .and_then(|s| s.parse().ok())
                 .expect("layer tensor");
-            w.write_all(layer_files[layer].bytes(&spec.name)?)?;
+            let file = layer_files
+                .get(&layer)
+                .ok_or_else(|| anyhow!("internal error: layer {layer} has no journal file"))?;
+            w.write_all(file.bytes(&spec.name)?)?;
         }
         Ok(())
     })?;
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(src_dir.join("config.json"))?)?;
-    config["quantization_config"] = qc.clone();
     writer::write_file(
         &dir.join("config.json"),
-        serde_json::to_string_pretty(&config)?.as_bytes(),
+        serde_json::to_string_pretty(config)?.as_bytes(),
     )?;
     writer::write_file(
         &dir.join("quantize_config.json"),
-        serde_json::to_string_pretty(qc)?.as_bytes(),
+        serde_json::to_string_pretty(&config["quantization_config"])?.as_bytes(),
     )?;
-    writer::copy_if_present(src_dir, dir, SIDE_FILES)?;
+    out.copy_from_source(src_dir, side)?;
     Ok(())
-}
-
-/// Rewrites `quantize_report.json` of a finished output (after `--verify` adds its comparison).
-/// The report is not hashed in the manifest (it holds timings), so the manifest stays valid.
-pub fn rewrite_report(out: &Path, report: &QuantizeReport) -> Result<()> {
-    writer::write_file(
-        &out.join("quantize_report.json"),
-        serde_json::to_string_pretty(report)?.as_bytes(),
-    )
 }

@@ -69,6 +69,14 @@ pub struct QuantizeReport {
     pub total_seconds: f64,
     pub peak_rss_bytes: Option<u64>,
     pub verify: Option<serde_json::Value>,
+    /// The engine the output was written for (`--engine`).
+    pub engine: String,
+    /// How config.json differs from the source's (besides quantization_config).
+    pub config_edits: crate::engine::config::ConfigEdits,
+    /// Files copied byte for byte from the source (tokenizer, remote code, generation config).
+    pub copied_from_source: Vec<String>,
+    /// The engine's load emulated on the written files.
+    pub engine_check: Option<crate::engine::EngineCheck>,
     /// Seconds per stage and the Hessian FLOPs (all layers).
     pub stages: Option<super::stages::Stages>,
     /// The estimate printed before the run.

@@ -1,22 +1,16 @@
 //! Where a model comes from: a local folder, or a Hugging Face hub repo id resolved through the
 //! standard cache (`HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`),
 //! honouring `HF_HUB_OFFLINE=1` and a token from `HF_TOKEN` or the token file. Only the files a
-//! model needs are fetched: config, generation config, tokenizer files, the safetensors index and
-//! the shards it names.
+//! model needs are fetched: config, the safetensors index and the shards it names, and the side
+//! files every output carries ([`is_side_file`]: tokenizer and processor files, generation
+//! config, licence, and the remote code that `auto_map` names).
 
+pub mod remote_code;
+
+use crate::checkpoint::writer::{is_side_file, SIDE_FILES};
 use anyhow::{anyhow, bail, Context, Result};
 use hf_hub::{Cache, Repo, RepoType};
 use std::path::{Path, PathBuf};
-
-/// Files fetched besides the weights when present in the repo.
-const OPTIONAL_FILES: &[&str] = &[
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-];
 
 /// A resolved model: a folder holding config.json and the safetensors files.
 #[derive(Debug, Clone)]
@@ -87,6 +81,13 @@ fn looks_like_repo_id(s: &str) -> bool {
         })
 }
 
+/// The cache folder (`models--org--name`) that a hub `--model` resolves into, whether or not
+/// it exists yet; `None` when `spec` is a local path.
+pub fn cache_repo_dir(spec: &str) -> Option<PathBuf> {
+    (!Path::new(spec).exists() && looks_like_repo_id(spec))
+        .then(|| hub_cache_dir().join(format!("models--{}", spec.replace('/', "--"))))
+}
+
 /// Resolves `--model`: an existing folder, else a hub repo id.
 pub fn resolve(spec: &str, revision: Option<&str>) -> Result<ModelSource> {
     let path = Path::new(spec);
@@ -111,6 +112,7 @@ pub fn resolve(spec: &str, revision: Option<&str>) -> Result<ModelSource> {
         bail!("--model {spec}: no such folder, and not a hub repo id of the form org/name");
     }
     let rev = revision.unwrap_or("main");
+    check_revision(rev)?;
     let dir = if is_offline() {
         resolve_offline(spec, rev)?
     } else {
@@ -124,13 +126,47 @@ pub fn resolve(spec: &str, revision: Option<&str>) -> Result<ModelSource> {
 
 /// The snapshot folder for `repo@rev` in the cache: `refs/<rev>` names the commit, or `rev`
 /// is itself a commit hash.
-fn snapshot_dir(cache: &Path, repo: &str, rev: &str) -> Option<PathBuf> {
+fn snapshot_dir(cache: &Path, repo: &str, rev: &str) -> Result<Option<PathBuf>> {
     let root = cache.join(format!("models--{}", repo.replace('/', "--")));
-    let commit = std::fs::read_to_string(root.join("refs").join(rev))
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| rev.to_string());
+    let commit = match std::fs::read_to_string(root.join("refs").join(rev)) {
+        Ok(s) => {
+            let c = s.trim().to_string();
+            if !is_commit_hash(&c) {
+                bail!(
+                    "{} names {c:?}, which is not a commit hash: the cache is damaged; delete that \
+                     file and fetch {repo}@{rev} again without HF_HUB_OFFLINE",
+                    root.join("refs").join(rev).display()
+                );
+            }
+            c
+        }
+        Err(_) => rev.to_string(),
+    };
     let dir = root.join("snapshots").join(commit);
-    dir.is_dir().then_some(dir)
+    Ok(dir.is_dir().then_some(dir))
+}
+
+fn is_commit_hash(s: &str) -> bool {
+    s.len() == 40 && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// A revision is a branch, tag or commit name (`main`, `v1.0`, `refs/pr/4`, a hash): it becomes
+/// a path inside the cache, so `..`, `.`, empty or absolute segments and backslashes are refused.
+pub fn check_revision(rev: &str) -> Result<()> {
+    let bad = rev.is_empty()
+        || rev.starts_with('/')
+        || rev.contains('\\')
+        || rev.contains('\0')
+        || rev
+            .split('/')
+            .any(|seg| seg.is_empty() || seg == "." || seg == "..");
+    if bad {
+        bail!(
+            "--revision {rev:?} is not a branch, tag or commit name (no empty, `.` or `..` path \
+             segments, no leading `/`): pass e.g. main, v1.0, refs/pr/4 or a commit hash"
+        );
+    }
+    Ok(())
 }
 
 fn weight_files(dir: &Path) -> Result<Vec<String>> {
@@ -162,7 +198,7 @@ fn resolve_offline(repo: &str, rev: &str) -> Result<PathBuf> {
             cache.display()
         )
     };
-    let dir = snapshot_dir(&cache, repo, rev).ok_or_else(not_cached)?;
+    let dir = snapshot_dir(&cache, repo, rev)?.ok_or_else(not_cached)?;
     if !dir.join("config.json").is_file() {
         return Err(not_cached());
     }
@@ -173,6 +209,13 @@ fn resolve_offline(repo: &str, rev: &str) -> Result<PathBuf> {
                 dir.display()
             );
         }
+    }
+    if let Some((f, why)) = remote_code::folder_remote_code(&dir).1.first() {
+        bail!(
+            "{repo}@{rev} is only partly in the cache at {}: {f} (needed by {why}) is missing and \
+             HF_HUB_OFFLINE=1 forbids downloading it; run once without HF_HUB_OFFLINE",
+            dir.display()
+        );
     }
     Ok(dir)
 }
@@ -196,9 +239,46 @@ fn resolve_online(repo: &str, rev: &str) -> Result<PathBuf> {
         .parent()
         .expect("a cached file has a folder")
         .to_path_buf();
-    for f in OPTIONAL_FILES {
-        // Absent optional files are normal (404); anything the model needs is fetched below.
-        let _ = api_repo.get(f);
+    match api_repo.info() {
+        // The repo's file list: fetch every side file it has.
+        Ok(info) => {
+            let mut names: Vec<String> = info
+                .siblings
+                .into_iter()
+                .map(|s| s.rfilename)
+                .filter(|n| is_side_file(n))
+                .collect();
+            names.sort();
+            for f in names {
+                api_repo
+                    .get(&f)
+                    .map_err(|e| anyhow!("cannot fetch {f} of {repo}@{rev}: {e}"))?;
+            }
+        }
+        // No listing (an endpoint without the API): try the known names; absent ones are 404s.
+        Err(_) => {
+            for f in SIDE_FILES {
+                let _ = api_repo.get(f);
+            }
+        }
+    }
+    // The remote code auto_map names, and what it imports, whether or not the listing had it.
+    let mut fetched: Vec<String> = vec![];
+    loop {
+        let (_, missing) = remote_code::folder_remote_code(&dir);
+        let Some((f, why)) = missing.first() else {
+            break;
+        };
+        if fetched.contains(f) {
+            bail!(
+                "{f} of {repo}@{rev} (needed by {why}) was fetched but is not in {}",
+                dir.display()
+            );
+        }
+        api_repo
+            .get(f)
+            .map_err(|e| anyhow!("cannot fetch {f} of {repo}@{rev}, which {why} needs: {e}"))?;
+        fetched.push(f.clone());
     }
     let index = api_repo.get(crate::checkpoint::reader::INDEX_FILE).ok();
     if index.is_none() {

@@ -112,6 +112,8 @@ pub struct QuantInspectReport {
     pub manifest: Option<String>,
     pub marlin_check: String,
     pub engines: Vec<EngineVerdict>,
+    /// Whether SGLang, vLLM and transformers would load the folder (emulated).
+    pub loads: Vec<crate::engine::LoadSummary>,
     pub warnings: Vec<String>,
     pub valid: bool,
 }
@@ -209,6 +211,8 @@ pub fn inspect_quantized(dir: &Path) -> Result<QuantInspectReport> {
     let fused = check_fused_groups(&ck, &info, &modules, &by_prefix, &mut warnings)?;
     let marlin_check = marlin_consistency(&ck, &info, &modules)?;
     let engines = gptq_marlin_verdicts(&info, &modules);
+    let loads = crate::engine::summaries(dir)?;
+    warnings.extend(super::derived_key_warnings(dir));
 
     let total_bytes: u64 = ck.entries().map(|(_, e)| e.nbytes() as u64).sum();
     let quantized_bytes: u64 = modules.iter().map(|m| m.bytes).sum();
@@ -257,6 +261,7 @@ pub fn inspect_quantized(dir: &Path) -> Result<QuantInspectReport> {
         manifest,
         marlin_check,
         engines,
+        loads,
         warnings,
         valid: true,
     })
@@ -715,6 +720,7 @@ impl QuantInspectReport {
                 println!("                 note: {n}");
             }
         }
+        crate::engine::print_summaries(&self.loads, &self.dir);
         for w in &self.warnings {
             println!("warning        {w}");
         }

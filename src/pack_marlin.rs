@@ -31,11 +31,12 @@
 //! files and unpacked; the codes and the scale bits must equal the GPTQ ones exactly, copied
 //! tensors must be byte-identical, and the result must validate as a Marlin checkpoint.
 
+use crate::checkpoint::guard::model_inputs;
 use crate::checkpoint::writer::{
-    copy_if_present, write_file, write_sharded, OutputDir, TensorSpec, DEFAULT_SHARD_BYTES,
-    SIDE_FILES,
+    side_files, write_file, write_sharded, OutputDir, TensorSpec, DEFAULT_SHARD_BYTES,
 };
 use crate::checkpoint::{Checkpoint, Dtype};
+use crate::engine::{self, Engine, EngineCheck};
 use crate::format::marlin::{
     check_marlin_shape, gptq_codes_to_marlin, marlin_sort_indices, marlin_to_gptq_codes,
     permute_scales, unpermute_scales,
@@ -69,9 +70,16 @@ pub struct PackMarlinReport {
     /// Bytes of all tensor data written.
     pub tensor_bytes: u64,
     pub shards: Vec<String>,
+    /// Files copied byte for byte from the input (tokenizer, remote code, generation config).
     pub side_files: Vec<String>,
+    /// How config.json differs from the input's (besides quantization_config).
+    pub config_edits: engine::config::ConfigEdits,
     /// Every module was read back from the files and matched the GPTQ codes and scales bit-exactly.
     pub verified: bool,
+    /// The engine's loader emulated on the output (as a release with the legacy marlin method).
+    pub engine_check: Option<EngineCheck>,
+    /// Why no engine check ran, when one was asked for.
+    pub engine_note: Option<String>,
     pub seconds: f64,
 }
 
@@ -96,6 +104,16 @@ impl PackMarlinReport {
             "verification   every B and s read back from disk unpacks bit-exactly to the GPTQ \
              codes and scales"
         );
+        println!(
+            "engines        no current SGLang or vLLM release reads checkpoint_format marlin \
+             (they serve the GPTQ input through gptq_marlin); legacy-marlin loaders do:"
+        );
+        if let Some(c) = &self.engine_check {
+            c.print_text();
+        }
+        if let Some(n) = &self.engine_note {
+            println!("               {n}");
+        }
         println!("time           {:.1} s", self.seconds);
     }
 }
@@ -159,7 +177,12 @@ fn marlin_quant_config(raw: &Value) -> Value {
 }
 
 /// Packs the GPTQ checkpoint in `input` into a Marlin checkpoint at `out` (see the module docs).
-pub fn pack_marlin_checkpoint(input: &Path, out: &Path, force: bool) -> Result<PackMarlinReport> {
+pub fn pack_marlin_checkpoint(
+    input: &Path,
+    out: &Path,
+    force: bool,
+    engine: Option<Engine>,
+) -> Result<PackMarlinReport> {
     let t0 = Instant::now();
     let info = read_quant_info(input)?.ok_or_else(|| {
         anyhow!(
@@ -174,13 +197,8 @@ pub fn pack_marlin_checkpoint(input: &Path, out: &Path, force: bool) -> Result<P
         input.display(),
         info.source.display()
     );
-    if let (Ok(a), Ok(b)) = (input.canonicalize(), out.canonicalize()) {
-        ensure!(
-            a != b,
-            "--out {} is the input folder: choose another --out (inputs are never modified)",
-            out.display()
-        );
-    }
+    // Checked before anything is read: an --out that aliases --in would destroy it.
+    crate::checkpoint::guard::check_output("--out", out, &[], &model_inputs("--in", input))?;
     let ck = Checkpoint::open(input)?;
     let expected = expected_bf16_tensors(input).ok();
     let modules = validate_quantized_modules(&ck, &info, expected.as_deref())
@@ -227,7 +245,7 @@ pub fn pack_marlin_checkpoint(input: &Path, out: &Path, force: bool) -> Result<P
         scales_f16_bits(&ck, &format!("{}.scales", m.prefix))?;
     }
 
-    let od = OutputDir::create(out, force)?;
+    let mut od = OutputDir::create(out, force, &model_inputs("--in", input))?;
     let mut owner: HashMap<&str, &QuantModule> = HashMap::new();
     for m in &modules {
         for t in &m.tensors {
@@ -294,12 +312,17 @@ pub fn pack_marlin_checkpoint(input: &Path, out: &Path, force: bool) -> Result<P
 
     let qcfg = marlin_quant_config(&info.raw);
     let cfg_in = input.join(CONFIG_FILE);
+    let mut config_edits = engine::config::ConfigEdits::default();
     if cfg_in.is_file() {
-        let mut cfg = read_json(&cfg_in)?;
-        let obj = cfg
-            .as_object_mut()
-            .ok_or_else(|| anyhow!("{} is not a JSON object", cfg_in.display()))?;
-        obj.insert("quantization_config".into(), qcfg.clone());
+        let src_cfg = read_json(&cfg_in)?;
+        ensure!(
+            src_cfg.is_object(),
+            "{} is not a JSON object",
+            cfg_in.display()
+        );
+        let (mut cfg, edits) = engine::config::engine_config(&src_cfg, engine, "bfloat16");
+        config_edits = edits;
+        cfg["quantization_config"] = qcfg.clone();
         write_file(
             &od.path().join(CONFIG_FILE),
             serde_json::to_string_pretty(&cfg)?.as_bytes(),
@@ -309,19 +332,36 @@ pub fn pack_marlin_checkpoint(input: &Path, out: &Path, force: bool) -> Result<P
         &od.path().join(QUANTIZE_CONFIG_FILE),
         serde_json::to_string_pretty(&qcfg)?.as_bytes(),
     )?;
-    let mut side_files = copy_if_present(input, od.path(), SIDE_FILES)?;
-    let mut py: Vec<String> = std::fs::read_dir(input)
-        .with_context(|| format!("cannot list {}", input.display()))?
-        .filter_map(|e| e.ok())
-        .filter(|e| e.path().is_file())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(".py"))
-        .collect();
-    py.sort();
-    let py_refs: Vec<&str> = py.iter().map(String::as_str).collect();
-    side_files.extend(copy_if_present(input, od.path(), &py_refs)?);
+    // Tokenizer, generation config, remote code: byte copies (never the input's README.md:
+    // it describes the GPTQ folder; the Marlin folder gets its own below).
+    let side = side_files(input)?;
+    od.copy_from_source(input, &side)?;
 
     verify_output(&ck, od.path(), &modules, &copied, expected.as_deref())?;
+    // The engine's loader on the written files, as a release with the legacy marlin method.
+    // Architectures the check does not model (pack-marlin takes anyone's GPTQ checkpoint) are
+    // packed without it; the report says so.
+    let supported = crate::model::AnyConfig::from_file(&input.join(CONFIG_FILE)).is_ok();
+    let engine_note = (engine.is_some() && !supported).then(|| {
+        format!(
+            "no engine check: {} is not a config of an architecture the check models \
+             (MiniCPM-SALA, Llama, Mistral, Qwen2, MiniCPM)",
+            input.join(CONFIG_FILE).display()
+        )
+    });
+    let engine_check = match engine.filter(|_| supported) {
+        Some(e) => {
+            let c = engine::check_dir(od.path(), e, true)?;
+            ensure!(
+                c.loads,
+                "{}\nNothing was written to {}",
+                c.error_text(&od.path().display().to_string()),
+                out.display()
+            );
+            Some(c)
+        }
+        None => None,
+    };
 
     let quantized_bytes = specs
         .iter()
@@ -329,6 +369,10 @@ pub fn pack_marlin_checkpoint(input: &Path, out: &Path, force: bool) -> Result<P
         .map(TensorSpec::nbytes)
         .sum();
     let tensor_bytes = specs.iter().map(TensorSpec::nbytes).sum();
+    write_file(
+        &od.path().join("README.md"),
+        marlin_card(input, &info, modules.len(), engine_check.as_ref()).as_bytes(),
+    )?;
     let output = od.commit()?;
     Ok(PackMarlinReport {
         input: input.display().to_string(),
@@ -340,10 +384,54 @@ pub fn pack_marlin_checkpoint(input: &Path, out: &Path, force: bool) -> Result<P
         quantized_bytes,
         tensor_bytes,
         shards,
-        side_files,
+        side_files: side,
+        config_edits,
         verified: true,
+        engine_check,
+        engine_note,
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// The model card of a Marlin folder: where it came from, and plainly who reads it.
+fn marlin_card(
+    input: &Path,
+    info: &crate::format::quantized::QuantInfo,
+    modules: usize,
+    check: Option<&EngineCheck>,
+) -> String {
+    let input_name = input
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| input.display().to_string());
+    format!(
+        "---\ntags:\n- gptq\n- marlin\n- soar-gptq\n---\n\n# {input_name}, Marlin tiles\n\n\
+         The GPTQ checkpoint `{input_name}` ({}-bit, group {}, {}) re-tiled by soar-gptq {} into the \
+         Marlin layout: per Linear `B` (int32 tiles) and `s` (fp16 scales in the Marlin \
+         permutation), `checkpoint_format: \"marlin\"`. {modules} Linears; every tile was read back \
+         and unpacks bit-exactly to the GPTQ codes and scales.\n\n## Who reads this format\n\n\
+         No current SGLang or vLLM release: both serve GPTQ checkpoints through `gptq_marlin`, \
+         which repacks to these tiles at load, and vLLM removed the legacy `marlin` method after \
+         0.10.1.1. This folder is for loaders that read `B`/`s` directly: SGLang with vLLM ≤ \
+         0.10.1.1 installed (legacy `marlin`, float16 activations), or your own kernels. Serve \
+         `{input_name}` with current engines.\n\n{}\n\nEvery file's SHA-256 is in `manifest.json`.\n",
+        info.bits,
+        info.group_size,
+        if info.sym { "symmetric" } else { "asymmetric" },
+        env!("CARGO_PKG_VERSION"),
+        match check {
+            Some(c) => format!(
+                "{}'s loader, emulated on this folder as a legacy-marlin release: {}.",
+                c.engine.label(),
+                if c.loads {
+                    format!("loads ({})", c.method_summary())
+                } else {
+                    "would fail".to_string()
+                }
+            ),
+            None => "No engine's loader was emulated on this folder (--engine none).".to_string(),
+        },
+    )
 }
 
 /// Reads the written files back: codes, sort indices and scale bits must equal the GPTQ input

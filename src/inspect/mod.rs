@@ -2,6 +2,8 @@
 //! and whether it is consistent (every tensor the config implies, with the right shape, and the
 //! manifest hashes when a manifest is present). A failed check is an error (exit 1).
 
+pub mod quantized;
+
 use crate::checkpoint::writer::{verify_manifest, MANIFEST_FILE};
 use crate::checkpoint::Checkpoint;
 use crate::model::{AnyConfig, MixerKind};
@@ -30,6 +32,9 @@ pub struct InspectReport {
     pub shards: Vec<String>,
     pub dtypes: BTreeMap<String, usize>,
     pub manifest: Option<String>,
+    /// Whether SGLang, vLLM and transformers would load the folder (emulated).
+    pub engines: Vec<crate::engine::LoadSummary>,
+    pub warnings: Vec<String>,
     pub valid: bool,
 }
 
@@ -98,8 +103,31 @@ pub fn inspect(dir: &Path) -> Result<InspectReport> {
             .collect(),
         dtypes,
         manifest,
+        engines: crate::engine::summaries(dir)?,
+        warnings: derived_key_warnings(dir),
         valid: true,
     })
+}
+
+/// A config.json that carries keys the engines' config classes derive (SGLang's
+/// `has_sparse_attention`, `sparse_layer_ids`, ...) fails to load there: flagged for any folder.
+pub fn derived_key_warnings(dir: &Path) -> Vec<String> {
+    let Ok(text) = std::fs::read_to_string(dir.join("config.json")) else {
+        return vec![];
+    };
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return vec![];
+    };
+    let keys = crate::engine::config::derived_keys(&v);
+    if keys.is_empty() {
+        return vec![];
+    }
+    vec![format!(
+        "{} carries {keys:?}, which SGLang's MiniCPMHybridConfig defines as read-only properties: \
+         loading fails there with \"can't set attribute\"; soar-gptq leaves them out of every \
+         output it writes",
+        dir.join("config.json").display()
+    )]
 }
 
 impl InspectReport {
@@ -146,5 +174,9 @@ impl InspectReport {
         println!(
             "validation     ok: every tensor the config implies is present with the right shape"
         );
+        crate::engine::print_summaries(&self.engines, &self.dir);
+        for w in &self.warnings {
+            println!("warning        {w}");
+        }
     }
 }

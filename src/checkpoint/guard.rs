@@ -1,0 +1,352 @@
+//! Guards for everything a command writes: an output may never be, contain or sit inside one of
+//! the command's inputs (resolved to canonical paths, symlinks followed), may never be `.`, `..`,
+//! `/` or a folder above the current one, and is held by an advisory lock while it is being
+//! written, so that two runs on one `--out` cannot destroy each other's work.
+//!
+//! The rule comes from data loss: `quantize --model M --out M --force` used to replace the source
+//! with its own output, and spellings such as `M/`, `M/../M`, a symlink to `M` or a parent of `M`
+//! did the same. Every command passes its inputs to [`OutputDir`](super::OutputDir), which calls
+//! [`check_output`] before it touches the disk.
+
+use anyhow::{bail, Context, Result};
+use std::io::{Read, Seek, Write};
+use std::path::{Component, Path, PathBuf};
+
+/// One input of a command: the flag that named it (for messages) and its path.
+#[derive(Debug, Clone)]
+pub struct InputPath {
+    pub flag: String,
+    pub path: PathBuf,
+}
+
+impl InputPath {
+    pub fn new(flag: impl Into<String>, path: impl Into<PathBuf>) -> Self {
+        Self {
+            flag: flag.into(),
+            path: path.into(),
+        }
+    }
+}
+
+/// The inputs of a model folder: the folder itself and, where its files are symlinks (a hub
+/// snapshot points into the cache's `blobs/`), every file they point to.
+pub fn model_inputs(flag: &str, dir: &Path) -> Vec<InputPath> {
+    let mut v = vec![InputPath::new(flag, dir)];
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        let mut targets: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_symlink()))
+            .filter_map(|e| std::fs::canonicalize(e.path()).ok())
+            .collect();
+        targets.sort();
+        v.extend(targets.into_iter().map(|t| InputPath::new(flag, t)));
+    }
+    v
+}
+
+/// `path` made absolute with every symlink of its existing part followed and `.`/`..` folded;
+/// the part that does not exist yet is appended as written.
+pub fn resolve(path: &Path) -> Result<PathBuf> {
+    let abs = if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        std::env::current_dir()
+            .context("cannot read the current folder")?
+            .join(path)
+    };
+    // Fold `.` and `..` lexically first only where the path does not exist: an existing prefix
+    // is canonicalized by the OS, which resolves `..` after following symlinks, as open() does.
+    let comps: Vec<Component> = abs.components().collect();
+    let mut existing = comps.len();
+    while existing > 0 {
+        let p: PathBuf = comps[..existing].iter().collect();
+        if p.symlink_metadata().is_ok() {
+            break;
+        }
+        existing -= 1;
+    }
+    let mut out = if existing == 0 {
+        PathBuf::from("/")
+    } else {
+        let p: PathBuf = comps[..existing].iter().collect();
+        std::fs::canonicalize(&p).unwrap_or(p)
+    };
+    for c in &comps[existing..] {
+        match c {
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::CurDir => {}
+            other => out.push(other.as_os_str()),
+        }
+    }
+    Ok(out)
+}
+
+/// True when the last component as written is `.` or `..` (`Path::components` folds a trailing
+/// `.` away, so the spelling is checked on the string).
+fn names_dot(path: &Path) -> bool {
+    let s = path.to_string_lossy();
+    let s = s.trim_end_matches('/');
+    let last = s.rsplit('/').next().unwrap_or("");
+    s.is_empty() || last == "." || last == ".."
+}
+
+/// Refuses an output (`flag` = its option, e.g. `--out`) that is `.`/`..`, the root, the current
+/// folder or one above it, or that equals, contains or sits inside one of `inputs`. `extra` are
+/// further paths the command will write or delete for this output (its `.partial` folder).
+pub fn check_output(flag: &str, out: &Path, extra: &[PathBuf], inputs: &[InputPath]) -> Result<()> {
+    let shown = out.display();
+    if names_dot(out) {
+        bail!(
+            "{flag} {shown} names the current or parent folder: give the output its own new \
+             folder (e.g. {flag} ./model-gptq)"
+        );
+    }
+    let cwd = std::env::current_dir()
+        .ok()
+        .and_then(|c| std::fs::canonicalize(c).ok());
+    let mut targets = vec![resolve(out)?];
+    for e in extra {
+        targets.push(resolve(e)?);
+    }
+    for t in &targets {
+        if t.parent().is_none() {
+            bail!("{flag} {shown} is the root folder: give the output its own new folder");
+        }
+        if let Some(c) = &cwd {
+            if c.starts_with(t) {
+                bail!(
+                    "{flag} {shown} is the current folder or a folder above it ({}): writing \
+                     there would replace the folder you are in; give the output its own new folder",
+                    t.display()
+                );
+            }
+        }
+        for input in inputs {
+            let Ok(i) = std::fs::canonicalize(&input.path).or_else(|_| resolve(&input.path)) else {
+                continue;
+            };
+            let how = if *t == i {
+                "is"
+            } else if i.starts_with(t) {
+                "contains"
+            } else if t.starts_with(&i) {
+                "is inside"
+            } else {
+                continue;
+            };
+            let target = if t == &targets[0] {
+                String::new()
+            } else {
+                format!(" (through {})", t.display())
+            };
+            bail!(
+                "{flag} {shown}{target} {how} the input {} {} ({}): inputs are never modified; \
+                 choose an {flag} outside every input",
+                input.flag,
+                input.path.display(),
+                i.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// An advisory lock on `<out>.lock`, held while a command writes `<out>` (released on drop and
+/// by the OS when the process dies). A second run on the same output is refused at once with
+/// the holder's pid.
+pub struct OutputLock {
+    path: PathBuf,
+    _file: std::fs::File,
+}
+
+pub fn lock_path(out: &Path) -> PathBuf {
+    let mut s = out.as_os_str().to_os_string();
+    s.push(".lock");
+    PathBuf::from(s)
+}
+
+impl OutputLock {
+    pub fn acquire(flag: &str, out: &Path) -> Result<Self> {
+        let path = lock_path(out);
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent)
+                .with_context(|| format!("cannot create the folder of {flag} {}", out.display()))?;
+        }
+        loop {
+            let mut file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .with_context(|| format!("cannot create the lock file {}", path.display()))?;
+            match file.try_lock() {
+                Ok(()) => {}
+                Err(std::fs::TryLockError::WouldBlock) => {
+                    let mut holder = String::new();
+                    let _ = file.read_to_string(&mut holder);
+                    let holder = holder.trim();
+                    bail!(
+                        "{flag} {} is being written by another soar-gptq run ({}; lock {}): wait \
+                         for it to finish or stop it, or choose another {flag}",
+                        out.display(),
+                        if holder.is_empty() {
+                            "pid unknown".to_string()
+                        } else {
+                            format!("pid {holder}")
+                        },
+                        path.display()
+                    );
+                }
+                Err(std::fs::TryLockError::Error(e)) => {
+                    return Err(e).with_context(|| format!("cannot lock {}", path.display()))
+                }
+            }
+            // The holder before us may have removed the file after we opened it: the lock is
+            // only ours if the path still names the file we locked.
+            let same = match (file.metadata(), std::fs::metadata(&path)) {
+                (Ok(a), Ok(b)) => same_file(&a, &b),
+                _ => false,
+            };
+            if !same {
+                continue;
+            }
+            file.set_len(0)?;
+            file.rewind()?;
+            write!(file, "{}", std::process::id())?;
+            return Ok(Self { path, _file: file });
+        }
+    }
+}
+
+#[cfg(unix)]
+fn same_file(a: &std::fs::Metadata, b: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    a.dev() == b.dev() && a.ino() == b.ino()
+}
+
+#[cfg(not(unix))]
+fn same_file(_: &std::fs::Metadata, _: &std::fs::Metadata) -> bool {
+    true
+}
+
+impl Drop for OutputLock {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resolve_folds_spellings_of_one_folder() {
+        let root = tempfile::tempdir().unwrap();
+        let m = root.path().join("m");
+        std::fs::create_dir(&m).unwrap();
+        std::fs::create_dir(m.join("sub")).unwrap();
+        let canon = std::fs::canonicalize(&m).unwrap();
+        for spelling in [
+            m.clone(),
+            PathBuf::from(format!("{}/", m.display())),
+            m.join("..").join("m"),
+            m.join("sub").join(".."),
+            m.join("."),
+        ] {
+            assert_eq!(resolve(&spelling).unwrap(), canon, "{}", spelling.display());
+        }
+        // A symlink is followed; a path below a missing folder keeps its written tail.
+        let link = root.path().join("link");
+        std::os::unix::fs::symlink(&m, &link).unwrap();
+        assert_eq!(resolve(&link).unwrap(), canon);
+        assert_eq!(
+            resolve(&link.join("new").join("x")).unwrap(),
+            canon.join("new").join("x")
+        );
+        assert_eq!(
+            resolve(&root.path().join("nope").join("..").join("m")).unwrap(),
+            canon
+        );
+    }
+
+    #[test]
+    fn outputs_that_alias_inputs_are_refused() {
+        let root = tempfile::tempdir().unwrap();
+        let m = root.path().join("models").join("m");
+        std::fs::create_dir_all(&m).unwrap();
+        let link = root.path().join("link");
+        std::os::unix::fs::symlink(&m, &link).unwrap();
+        let inputs = [InputPath::new("--model", &link)];
+        let refused = |out: PathBuf, how: &str| {
+            let e = check_output("--out", &out, &[], &inputs)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(how) && e.contains("--model"),
+                "{}: {e}",
+                out.display()
+            );
+        };
+        refused(m.clone(), "is the input");
+        refused(PathBuf::from(format!("{}/", m.display())), "is the input");
+        refused(m.join("..").join("m"), "is the input");
+        refused(link.clone(), "is the input");
+        refused(root.path().join("models"), "contains the input");
+        refused(root.path().to_path_buf(), "contains the input");
+        refused(m.join("gptq"), "is inside the input");
+        refused(link.join("gptq"), "is inside the input");
+        // The partial folder of an output is checked too.
+        let e = check_output(
+            "--out",
+            &root.path().join("x"),
+            std::slice::from_ref(&m),
+            &inputs,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("through"), "{e}");
+        // A sibling is fine.
+        check_output("--out", &root.path().join("models/m-gptq"), &[], &inputs).unwrap();
+        check_output("--out", &root.path().join("models/m2"), &[], &inputs).unwrap();
+    }
+
+    #[test]
+    fn dot_root_and_folders_above_the_current_one_are_refused() {
+        for out in [".", "..", "./", "../", "a/..", "a/.", ""] {
+            let e = check_output("--out", Path::new(out), &[], &[])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("current or parent"), "{out:?}: {e}");
+        }
+        let e = check_output("--out", Path::new("/"), &[], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("root") || e.contains("current or parent"), "{e}");
+        let cwd = std::env::current_dir().unwrap();
+        let parent = cwd.parent().unwrap().to_path_buf();
+        for out in [cwd, parent] {
+            let e = check_output("--out", &out, &[], &[])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("folder above it"), "{}: {e}", out.display());
+        }
+    }
+
+    #[test]
+    fn a_second_lock_on_one_output_is_refused_with_the_holders_pid() {
+        let root = tempfile::tempdir().unwrap();
+        let out = root.path().join("q");
+        let first = OutputLock::acquire("--out", &out).unwrap();
+        let e = OutputLock::acquire("--out", &out)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains(&format!("pid {}", std::process::id())), "{e}");
+        drop(first);
+        assert!(!lock_path(&out).exists());
+        OutputLock::acquire("--out", &out).unwrap();
+    }
+}

@@ -1,0 +1,643 @@
+//! Will the serving engine load it? A load-time emulation of SGLang, vLLM and transformers for
+//! the architectures this tool writes (MiniCPM-SALA and the Llama family), run by `inspect
+//! --engine` and by `quantize` / `pack-marlin` on their own output before it is committed.
+//!
+//! The check reads only what the engines read at load: `config.json` (architecture, config
+//! keys, `auto_map` and the remote-code files it names, the dtype key, `quantization_config`
+//! with its `dynamic` rules), `tokenizer_config.json`'s `auto_map`, and the names, dtypes and
+//! shapes of the tensors in the shards. [`loader`] builds the engine's module set and compares
+//! it with the tensors; [`config`] holds the config rules, and also rewrites a source config
+//! for an engine ([`config::engine_config`]), so the writer and the check cannot disagree.
+//! Every rule and its source (file and function of the engine) is in docs/engines.md.
+
+pub mod config;
+pub mod loader;
+
+use crate::checkpoint::{Checkpoint, Dtype};
+use crate::format::quantized::{dynamic_key_order, QuantInfo};
+use crate::model::AnyConfig;
+use crate::source::remote_code;
+use anyhow::{Context, Result};
+use serde::Serialize;
+use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+pub use loader::{EngineModule, Method};
+
+/// A serving engine whose loader is emulated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Engine {
+    Sglang,
+    Vllm,
+    Transformers,
+}
+
+impl Engine {
+    pub const ALL: [Engine; 3] = [Engine::Sglang, Engine::Vllm, Engine::Transformers];
+
+    /// The name `--engine` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Sglang => "sglang",
+            Self::Vllm => "vllm",
+            Self::Transformers => "transformers",
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Sglang => "SGLang",
+            Self::Vllm => "vLLM",
+            Self::Transformers => "transformers",
+        }
+    }
+}
+
+/// One thing that would go wrong (or is worth knowing), and what to do about it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Finding {
+    pub what: String,
+    pub fix: String,
+}
+
+impl Finding {
+    pub fn new(what: &str, fix: &str) -> Self {
+        Self {
+            what: what.to_string(),
+            fix: fix.to_string(),
+        }
+    }
+}
+
+/// A tensor as the loader sees it: dtype and shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorView {
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+}
+
+/// What an engine reads of a model folder at load time. Built from a folder on disk
+/// ([`FolderView::from_dir`]) or from the plan of one that is about to be written, so a run can be
+/// checked before any work is done.
+#[derive(Debug, Clone, Default)]
+pub struct FolderView {
+    /// The folder, for messages.
+    pub label: String,
+    /// `config.json` (`Null` when absent).
+    pub config: Value,
+    /// `quantize_config.json` when present.
+    pub quantize_config: Option<Value>,
+    /// `tokenizer_config.json` when present and valid JSON.
+    pub tokenizer_config: Option<Value>,
+    pub tensors: BTreeMap<String, TensorView>,
+    /// Names of the files at the top of the folder.
+    pub files: BTreeSet<String>,
+    /// Contents of its `*.py` files (relative imports are followed through them).
+    pub texts: BTreeMap<String, String>,
+    /// The keys of `quantization_config.dynamic` in the order config.json lists them (the first
+    /// matching rule wins); empty means the order of `config`.
+    pub dynamic_order: Vec<String>,
+}
+
+impl FolderView {
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let mut files = BTreeSet::new();
+        for e in std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
+            let e = e?;
+            if e.path().is_file() {
+                files.insert(e.file_name().to_string_lossy().into_owned());
+            }
+        }
+        let json = |name: &str| -> Result<Option<Value>> {
+            if !files.contains(name) {
+                return Ok(None);
+            }
+            let p = dir.join(name);
+            let text = std::fs::read_to_string(&p)
+                .with_context(|| format!("cannot read {}", p.display()))?;
+            Ok(Some(serde_json::from_str(&text).with_context(|| {
+                format!("{} is not valid JSON", p.display())
+            })?))
+        };
+        let config = json("config.json")?.unwrap_or(Value::Null);
+        let dynamic_order = match files.contains("config.json") {
+            true => dynamic_key_order(&std::fs::read_to_string(dir.join("config.json"))?),
+            false => vec![],
+        };
+        let quantize_config = json("quantize_config.json")?;
+        let tokenizer_config = json("tokenizer_config.json")?;
+        let mut texts = BTreeMap::new();
+        for f in files.iter().filter(|f| f.ends_with(".py")) {
+            let p = dir.join(f);
+            let bytes =
+                std::fs::read(&p).with_context(|| format!("cannot read {}", p.display()))?;
+            texts.insert(f.clone(), String::from_utf8_lossy(&bytes).into_owned());
+        }
+        let ck = Checkpoint::open(dir)?;
+        let tensors = ck
+            .entries()
+            .map(|(n, e)| {
+                (
+                    n.clone(),
+                    TensorView {
+                        dtype: e.dtype,
+                        shape: e.shape.clone(),
+                    },
+                )
+            })
+            .collect();
+        Ok(Self {
+            label: dir.display().to_string(),
+            config,
+            quantize_config,
+            tokenizer_config,
+            tensors,
+            files,
+            texts,
+            dynamic_order,
+        })
+    }
+
+    /// The quantization settings the engines read: `config.json`'s `quantization_config`.
+    fn quant_info(&self) -> Result<Option<QuantInfo>> {
+        match self.config.get("quantization_config") {
+            None | Some(Value::Null) => Ok(None),
+            Some(q) => {
+                let mut info = QuantInfo::from_json(
+                    q.clone(),
+                    &Path::new(&self.label).join("config.json"),
+                    true,
+                )?;
+                info.order_rules(&self.dynamic_order);
+                Ok(Some(info))
+            }
+        }
+    }
+}
+
+/// One engine's verdict on a folder.
+#[derive(Debug, Clone, Serialize)]
+pub struct EngineCheck {
+    pub engine: Engine,
+    pub architecture: Option<String>,
+    /// Whether the engine would load the folder and serve it correctly.
+    pub loads: bool,
+    /// Why it would not (each fatal), with the fix.
+    pub problems: Vec<Finding>,
+    pub warnings: Vec<Finding>,
+    pub notes: Vec<String>,
+    /// The Linears the engine builds and the method each gets.
+    pub modules: Vec<EngineModule>,
+    /// Tensors the engine would load that the shards lack.
+    pub missing_tensors: Vec<String>,
+    /// Tensors in the shards the engine builds no parameter for.
+    pub unused_tensors: Vec<String>,
+    /// Remote-code files the folder needs (auto_map and their relative imports).
+    pub remote_code: Vec<String>,
+    /// A command line that serves the folder, when it loads.
+    pub serve: Option<String>,
+    /// Checked as a release that still has the legacy `marlin` method would load it.
+    pub legacy_marlin: bool,
+    /// The engine must be told `--dtype float16` (plain gptq kernels with a bfloat16 config).
+    pub needs_float16: bool,
+    /// SGLang must be told `--quantization gptq` (Linears beyond gptq_marlin's shape limits).
+    pub needs_plain_gptq: bool,
+}
+
+impl EngineCheck {
+    /// Methods and how many Linears get each, e.g. `192 gptq_marlin, 8 unquantized`.
+    pub fn method_summary(&self) -> String {
+        let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+        for m in &self.modules {
+            *counts.entry(m.method.name()).or_default() += 1;
+        }
+        counts
+            .iter()
+            .map(|(m, n)| format!("{n} {m}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    pub fn print_text(&self) {
+        let verdict = if self.loads { "loads" } else { "would FAIL" };
+        println!(
+            "engine         {} {verdict}{}",
+            self.engine.label(),
+            if self.legacy_marlin {
+                " (as a release with the legacy marlin method)"
+            } else {
+                ""
+            }
+        );
+        if !self.modules.is_empty() {
+            println!("  linears      {}", self.method_summary());
+        }
+        if !self.remote_code.is_empty() {
+            println!("  remote code  {}", self.remote_code.join(", "));
+        }
+        for p in &self.problems {
+            println!("  problem      {}", p.what);
+            println!("    fix        {}", p.fix);
+        }
+        for w in &self.warnings {
+            println!("  warning      {}", w.what);
+            println!("    fix        {}", w.fix);
+        }
+        for n in &self.notes {
+            println!("  note         {n}");
+        }
+        if let Some(s) = &self.serve {
+            println!("  serve with   {s}");
+        }
+    }
+
+    /// The command that serves the folder once it sits at `dir` (`None` when it does not load).
+    pub fn serve_at(&self, dir: &str) -> Option<String> {
+        let arch = self.architecture.as_deref().unwrap_or("");
+        self.loads.then(|| {
+            let cmd = serve_command(
+                self.engine,
+                arch == "MiniCPMSALAForCausalLM",
+                !config::TRANSFORMERS_BUILTIN.contains(&arch),
+                dir,
+            );
+            let mut cmd = cmd;
+            if self.needs_plain_gptq {
+                cmd.push_str(" --quantization gptq");
+            }
+            if self.needs_float16 {
+                cmd.push_str(" --dtype float16");
+            }
+            cmd
+        })
+    }
+
+    /// The problems as one error message, for commands that refuse to finish.
+    pub fn error_text(&self, dir: &str) -> String {
+        let lines: Vec<String> = self
+            .problems
+            .iter()
+            .map(|p| format!("  - {} (fix: {})", p.what, p.fix))
+            .collect();
+        format!(
+            "{} would not load {dir}:\n{}",
+            self.engine.label(),
+            lines.join("\n")
+        )
+    }
+}
+
+/// One engine's verdict in brief, for `inspect` without `--engine`.
+#[derive(Debug, Clone, Serialize)]
+pub struct LoadSummary {
+    pub engine: Engine,
+    pub loads: bool,
+    /// What would go wrong (the fixes are in `inspect --engine`).
+    pub problems: Vec<String>,
+}
+
+/// Every engine's verdict on `dir` in brief.
+pub fn summaries(dir: &Path) -> Result<Vec<LoadSummary>> {
+    let view = FolderView::from_dir(dir)?;
+    Engine::ALL
+        .iter()
+        .map(|&e| {
+            let c = check(&view, e, false)?;
+            Ok(LoadSummary {
+                engine: e,
+                loads: c.loads,
+                problems: c.problems.into_iter().map(|p| p.what).collect(),
+            })
+        })
+        .collect()
+}
+
+/// Prints the summaries as `inspect` does.
+pub fn print_summaries(s: &[LoadSummary], dir: &str) {
+    for (i, x) in s.iter().enumerate() {
+        let head = if i == 0 { "serving" } else { "" };
+        if x.loads {
+            println!("{head:<14} {} loads it", x.engine.label());
+        } else {
+            let first = x.problems.first().map(String::as_str).unwrap_or("");
+            let short: String = first.chars().take(110).collect();
+            println!(
+                "{head:<14} {} would fail: {short}{}{}",
+                x.engine.label(),
+                if short.len() < first.len() { "..." } else { "" },
+                if x.problems.len() > 1 {
+                    format!(" (+{} more)", x.problems.len() - 1)
+                } else {
+                    String::new()
+                }
+            );
+        }
+    }
+    if !s.is_empty() {
+        println!(
+            "{:<14} (inspect {dir} --engine sglang|vllm|transformers: the full check, with fixes)",
+            ""
+        );
+    }
+}
+
+/// The model folder `dir` as `engine` would load it.
+pub fn check_dir(dir: &Path, engine: Engine, legacy_marlin: bool) -> Result<EngineCheck> {
+    let view = FolderView::from_dir(dir)?;
+    check(&view, engine, legacy_marlin)
+}
+
+/// `view` as `engine` would load it (see the module docs).
+pub fn check(view: &FolderView, engine: Engine, legacy_marlin: bool) -> Result<EngineCheck> {
+    let mut problems = vec![];
+    let mut warnings = vec![];
+    let mut notes = vec![];
+    let cfg_json = &view.config;
+    let arch = config::architecture(cfg_json).map(str::to_string);
+    let model_type = config::model_type(cfg_json).unwrap_or("");
+    let is_sala = arch.as_deref() == Some("MiniCPMSALAForCausalLM");
+
+    let mut out = EngineCheck {
+        engine,
+        architecture: arch.clone(),
+        loads: false,
+        problems: vec![],
+        warnings: vec![],
+        notes: vec![],
+        modules: vec![],
+        missing_tensors: vec![],
+        unused_tensors: vec![],
+        remote_code: vec![],
+        serve: None,
+        legacy_marlin,
+        needs_float16: false,
+        needs_plain_gptq: false,
+    };
+    if cfg_json.is_null() {
+        problems.push(Finding::new(
+            &format!("{} has no config.json", view.label),
+            "every engine starts from config.json: copy the source's",
+        ));
+        out.problems = problems;
+        return Ok(out);
+    }
+    if engine == Engine::Vllm && is_sala {
+        problems.push(Finding::new(
+            "vLLM has no MiniCPM-SALA implementation in any release (checked up to 0.34.0; \
+             the ports in PRs #44095 and #48999 are not merged), so it cannot build \
+             MiniCPMSALAForCausalLM",
+            "serve MiniCPM-SALA with SGLang (--engine sglang)",
+        ));
+        out.problems = problems;
+        return Ok(out);
+    }
+
+    // Config keys the engine's config class derives itself.
+    let derived = config::derived_keys(cfg_json);
+    if !derived.is_empty() {
+        let f = Finding::new(
+            &format!(
+                "config.json carries {derived:?}, which SGLang's MiniCPMHybridConfig defines as \
+                 read-only properties: AutoConfig.from_pretrained fails with \"can't set \
+                 attribute\""
+            ),
+            "remove those keys from config.json (quantize and pack-marlin never write them)",
+        );
+        match engine {
+            Engine::Sglang => problems.push(f),
+            _ => warnings.push(f),
+        }
+    }
+
+    // Remote code.
+    let mut refs = remote_code::auto_map_refs("config.json", cfg_json);
+    if let Some(t) = &view.tokenizer_config {
+        refs.extend(remote_code::auto_map_refs("tokenizer_config.json", t));
+    }
+    for r in refs.iter().filter(|r| r.module_file.is_none()) {
+        notes.push(format!(
+            "{} auto_map.{} is {:?}: code from another hub repo, fetched by the engine with \
+             trust_remote_code",
+            r.file, r.class_key, r.reference
+        ));
+    }
+    let (needed, missing_code) = remote_code::remote_code_closure(&refs, &view.files, &view.texts);
+    out.remote_code = needed;
+    let sglang_own = config::SGLANG_OWN_CONFIG.contains(&model_type);
+    let has_auto_config = refs
+        .iter()
+        .any(|r| r.file == "config.json" && r.class_key == "AutoConfig");
+    if engine == Engine::Sglang && sglang_own && has_auto_config {
+        problems.push(Finding::new(
+            &format!(
+                "config.json's auto_map has AutoConfig: with --trust-remote-code transformers \
+                 builds the remote config class, while SGLang's hybrid linear-attention and \
+                 sparse backends need its own MiniCPMHybridConfig for model_type {model_type}"
+            ),
+            "remove auto_map.AutoConfig from config.json (quantize --engine sglang writes it so)",
+        ));
+    }
+    for (file, why) in &missing_code {
+        let tokenizer = why.starts_with("tokenizer_config.json");
+        let fatal = match engine {
+            Engine::Transformers => true,
+            _ => tokenizer || (has_auto_config && why.contains("AutoConfig")),
+        };
+        let f = Finding::new(
+            &format!(
+                "{file} is missing (needed by {why}): loading with trust_remote_code fails with \
+                 \"does not appear to have a file named {file}\""
+            ),
+            "copy the source's remote-code files into the folder (quantize and pack-marlin copy \
+             every *.py of the source)",
+        );
+        if fatal {
+            problems.push(f);
+        } else {
+            warnings.push(f);
+        }
+    }
+    let builtin = config::TRANSFORMERS_BUILTIN.contains(&arch.as_deref().unwrap_or(""));
+    if engine == Engine::Transformers && !builtin {
+        let has_model = refs
+            .iter()
+            .any(|r| r.file == "config.json" && r.class_key == "AutoModelForCausalLM");
+        if !(has_auto_config && has_model) {
+            problems.push(Finding::new(
+                &format!(
+                    "transformers has no built-in {} and config.json's auto_map lacks {}: \
+                     AutoModelForCausalLM cannot find the model code",
+                    arch.as_deref().unwrap_or("architecture"),
+                    if has_auto_config {
+                        "AutoModelForCausalLM"
+                    } else {
+                        "AutoConfig"
+                    }
+                ),
+                "keep the source's auto_map and remote-code files (quantize --engine \
+                 transformers keeps them)",
+            ));
+        }
+    }
+
+    // The architecture's module set.
+    let cfg = match AnyConfig::from_json(&cfg_json.to_string()) {
+        Ok(c) => c,
+        Err(e) => {
+            problems.push(Finding::new(
+                &format!("config.json cannot be read as a supported architecture: {e:#}"),
+                "this check covers MiniCPM-SALA and the Llama family",
+            ));
+            out.problems = problems;
+            out.warnings = warnings;
+            out.notes = notes;
+            return Ok(out);
+        }
+    };
+    let quant = match view.quant_info() {
+        Ok(q) => q,
+        Err(e) => {
+            problems.push(Finding::new(
+                &format!("the quantization settings cannot be read: {e:#}"),
+                "fix quantization_config in config.json",
+            ));
+            None
+        }
+    };
+    let has_quantized_tensors = view.tensors.values().any(|t| !t.dtype.is_float());
+    if quant.is_none() && has_quantized_tensors {
+        problems.push(Finding::new(
+            "the shards hold quantized (integer) tensors but config.json has no \
+             quantization_config: the engines detect the method from config.json only and \
+             would build unquantized Linears",
+            "put the quantization settings into config.json as quantization_config",
+        ));
+    }
+    let emu = loader::emulate(view, &cfg, quant.as_ref(), engine, legacy_marlin);
+
+    // Activation dtype.
+    let dtype = config::dtype_key(cfg_json);
+    let dtype_name = dtype.as_ref().map(|(_, v)| v.as_str());
+    let uses = |m: Method| emu.modules.iter().any(|x| x.method == m);
+    if is_sala && engine == Engine::Sglang {
+        match dtype_name {
+            Some("bfloat16") => {}
+            other => problems.push(Finding::new(
+                &format!(
+                    "config.json's dtype is {}: SGLang serves {} activations, and MiniCPM-SALA's \
+                     sparse attention runs BF16 only (float16 crashed with \"query and key must \
+                     have the same dtype\")",
+                    other.map_or("absent (torch_dtype/dtype)".to_string(), |v| v.to_string()),
+                    if other.is_none() || other == Some("float32") {
+                        "float16 (SGLang's --dtype auto turns a missing or float32 dtype into \
+                         float16)"
+                    } else {
+                        "those"
+                    }
+                ),
+                "keep the source's \"dtype\": \"bfloat16\" (or torch_dtype) in config.json",
+            )),
+        }
+    }
+    let serves_bf16 = matches!(dtype_name, Some("bfloat16"));
+    let fp16_only = engine == Engine::Sglang && uses(Method::Gptq) && serves_bf16;
+    if fp16_only {
+        let f = Finding::new(
+            "SGLang's plain gptq kernels take float16 activations only, and config.json says \
+             bfloat16: the engine refuses (\"torch.bfloat16 is not supported for quantization \
+             method gptq\")",
+            if is_sala {
+                "re-quantize with settings gptq_marlin runs (4 or 8 bits, symmetric, group size \
+                 -1/32/64/128): MiniCPM-SALA must be served in BF16"
+            } else {
+                "serve with --dtype float16, or re-quantize for gptq_marlin (4 or 8 bits, \
+                 symmetric, group size -1/32/64/128)"
+            },
+        );
+        // MiniCPM-SALA must run in BF16; the other families can be served in float16.
+        if is_sala {
+            problems.push(f);
+        } else {
+            warnings.push(f);
+        }
+    }
+    if legacy_marlin && uses(Method::MarlinLegacy) {
+        notes.push(
+            "the legacy marlin method exists only in vLLM ≤ 0.10.1.1 (and in SGLang with such a \
+             vLLM installed), with float16 activations: no current SGLang or vLLM release reads \
+             checkpoint_format marlin"
+                .to_string(),
+        );
+    }
+    if uses(Method::GptqMarlin) {
+        notes.push(
+            "gptq_marlin repacks qweight to Marlin tiles at load (CUDA, compute capability ≥ 8.0)"
+                .to_string(),
+        );
+    }
+    if engine == Engine::Transformers && quant.is_some() {
+        notes.push(
+            "transformers loads GPTQ through optimum and gptqmodel (pip install optimum \
+             gptqmodel)"
+                .to_string(),
+        );
+    }
+    if let Some(f) = emu.shape_limit {
+        // MiniCPM-SALA must run BF16, which the plain gptq kernels cannot.
+        if is_sala || engine != Engine::Sglang {
+            problems.push(f);
+        } else {
+            warnings.push(f);
+            out.needs_plain_gptq = true;
+        }
+    }
+    problems.extend(emu.problems);
+    warnings.extend(emu.warnings);
+    out.loads = problems.is_empty();
+    out.needs_float16 = (fp16_only || out.needs_plain_gptq) && !is_sala;
+    out.serve = out.serve_at(&view.label);
+    out.modules = emu.modules;
+    out.missing_tensors = emu.missing;
+    out.unused_tensors = emu.unused;
+    out.problems = problems;
+    out.warnings = warnings;
+    out.notes = notes;
+    Ok(out)
+}
+
+/// A command line that serves `dir` with `engine`.
+pub fn serve_command(engine: Engine, sala: bool, remote_code: bool, dir: &str) -> String {
+    match engine {
+        Engine::Sglang if sala => format!(
+            "python3 -m sglang.launch_server --model-path {dir} --trust-remote-code --dtype \
+             bfloat16 --disable-radix-cache"
+        ),
+        Engine::Sglang => format!(
+            "python3 -m sglang.launch_server --model-path {dir}{}",
+            if remote_code {
+                " --trust-remote-code"
+            } else {
+                ""
+            }
+        ),
+        Engine::Vllm => format!(
+            "vllm serve {dir}{}",
+            if remote_code {
+                " --trust-remote-code"
+            } else {
+                ""
+            }
+        ),
+        Engine::Transformers => format!(
+            "python3 -c \"from transformers import AutoModelForCausalLM; \
+             AutoModelForCausalLM.from_pretrained('{dir}', device_map='auto'{})\"",
+            if remote_code {
+                ", trust_remote_code=True"
+            } else {
+                ""
+            }
+        ),
+    }
+}

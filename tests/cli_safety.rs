@@ -1,0 +1,348 @@
+//! Inputs are never destroyed: every spelling of an output that aliases an input (the same
+//! folder, a parent, a child, a symlink, `.`/`..`) is refused before anything is written or
+//! deleted; `--force` replaces model folders only, and only once the new output is complete; a
+//! second run on one `--out` is refused while the first holds it; resumable work is not
+//! discarded without `--force`.
+
+mod common;
+use common::*;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+/// Every file under `dir` (relative path → SHA-256), to prove a folder was left untouched.
+fn tree(dir: &Path) -> BTreeMap<String, String> {
+    fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<String, String>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(root, &p, out);
+            } else {
+                let rel = p.strip_prefix(root).unwrap().display().to_string();
+                out.insert(rel, soar_gptq::checkpoint::writer::sha256_file(&p).unwrap());
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk(dir, dir, &mut out);
+    out
+}
+
+/// `soar-gptq quantize` (RTN, tiny calibration) run in `cwd`.
+fn quantize_in(cwd: &Path, model: &str, out: &str, extra: &[&str]) -> Output {
+    let mut args = vec!["quantize", "--model", model, "--out", out];
+    for (flag, value) in [
+        ("--method", "rtn"),
+        ("--nsamples", "2"),
+        ("--seqlen", "64"),
+        ("--device", "cpu"),
+    ] {
+        if !extra.contains(&flag) {
+            args.extend([flag, value]);
+        }
+    }
+    args.extend_from_slice(extra);
+    bin().current_dir(cwd).args(&args).output().unwrap()
+}
+
+#[test]
+fn quantize_refuses_every_output_that_aliases_its_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let models = root.join("models");
+    std::fs::create_dir(&models).unwrap();
+    let m = synth_tiny(&models, "m", 1);
+    let link = root.join("link-to-m");
+    std::os::unix::fs::symlink(&m, &link).unwrap();
+    let before = tree(root);
+    let ms = m.to_str().unwrap();
+    let cases: Vec<(PathBuf, &str, String, &str)> = vec![
+        // (cwd, --model, --out, what the message says)
+        (root.into(), ms, ms.to_string(), "is the input"),
+        (root.into(), ms, format!("{ms}/"), "is the input"),
+        (root.into(), ms, format!("{ms}/../m"), "is the input"),
+        (root.into(), "models/m", "models/m".into(), "is the input"),
+        (
+            root.into(),
+            "models/m",
+            "./models/../models/m".into(),
+            "is the input",
+        ),
+        (
+            root.into(),
+            link.to_str().unwrap(),
+            ms.into(),
+            "is the input",
+        ),
+        (
+            root.into(),
+            ms,
+            link.to_str().unwrap().into(),
+            "is the input",
+        ),
+        (
+            root.into(),
+            ms,
+            models.to_str().unwrap().into(),
+            "contains the input",
+        ),
+        (root.into(), ms, format!("{ms}/gptq"), "is inside the input"),
+        (models.clone(), "m", ".".into(), "current or parent"),
+        (m.clone(), ".", "..".into(), "current or parent"),
+        (
+            m.clone(),
+            ".",
+            root.to_str().unwrap().into(),
+            "folder above it",
+        ),
+    ];
+    for (cwd, model, out, needle) in &cases {
+        let o = quantize_in(cwd, model, out, &["--force"]);
+        assert_fails(&o, 1, needle);
+        assert_eq!(
+            tree(root),
+            before,
+            "--model {model} --out {out} changed files"
+        );
+    }
+    // `.partial` of an output next to the model may not be the model either.
+    let o = quantize_in(root, &format!("{ms}.partial"), ms, &["--force"]);
+    assert!(o.status.code() == Some(1), "{}", stderr(&o));
+    assert_eq!(tree(root), before);
+
+    // --save-hessians is an output too: never into the model, never over files without --force.
+    let out = root.join("q");
+    let o = quantize_in(
+        root,
+        ms,
+        out.to_str().unwrap(),
+        &["--method", "gptq", "--save-hessians", &format!("{ms}/h")],
+    );
+    assert_fails(&o, 1, "--save-hessians");
+    assert!(!out.exists());
+    let used = root.join("used");
+    std::fs::create_dir(&used).unwrap();
+    std::fs::write(used.join("notes.txt"), "keep me").unwrap();
+    let o = quantize_in(
+        root,
+        ms,
+        out.to_str().unwrap(),
+        &[
+            "--method",
+            "gptq",
+            "--save-hessians",
+            used.to_str().unwrap(),
+        ],
+    );
+    assert_fails(&o, 1, "already holds files");
+    assert_eq!(
+        std::fs::read_to_string(used.join("notes.txt")).unwrap(),
+        "keep me"
+    );
+    assert!(!out.exists());
+    // A calibration folder is an input as well.
+    let calib = root.join("calib");
+    std::fs::create_dir(&calib).unwrap();
+    write_text(&calib, "a.txt", &sample_text());
+    let o = quantize_in(
+        root,
+        ms,
+        calib.join("q").to_str().unwrap(),
+        &["--calib", calib.to_str().unwrap()],
+    );
+    assert_fails(&o, 1, "is inside the input --calib");
+}
+
+#[test]
+fn force_replaces_model_folders_only_and_only_when_the_new_one_is_complete() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let m = synth_tiny(root, "m", 2);
+    let ms = m.to_str().unwrap();
+    // A folder of other files is never deleted, --force or not.
+    let docs = root.join("docs");
+    std::fs::create_dir(&docs).unwrap();
+    std::fs::write(docs.join("thesis.tex"), "years of work").unwrap();
+    let o = quantize_in(root, ms, docs.to_str().unwrap(), &["--force"]);
+    assert_fails(&o, 1, "does not look like a model folder");
+    assert_eq!(tree(&docs).len(), 1);
+    // A file is not a folder.
+    let file = root.join("file");
+    std::fs::write(&file, "x").unwrap();
+    assert_fails(
+        &quantize_in(root, ms, file.to_str().unwrap(), &["--force"]),
+        1,
+        "is not a folder",
+    );
+    // An old output survives a --force run that fails midway (after writing layers), and is
+    // replaced by one that succeeds.
+    let out = root.join("q");
+    assert_ok(&quantize_in(root, ms, out.to_str().unwrap(), &[]));
+    let old = tree(&out);
+    let o = quantize_in(
+        root,
+        ms,
+        out.to_str().unwrap(),
+        &["--force", "--stop-after-layers", "1"],
+    );
+    assert_fails(&o, 1, "stopped after 1 layer");
+    assert!(root.join("q.partial").is_dir());
+    assert_eq!(
+        tree(&out),
+        old,
+        "a failed --force run touched the old output"
+    );
+    assert_ok(&quantize_in(
+        root,
+        ms,
+        out.to_str().unwrap(),
+        &["--force", "--bits", "8"],
+    ));
+    assert_ne!(tree(&out), old);
+    for leftover in ["q.partial", "q.replaced", "q.lock"] {
+        assert!(!root.join(leftover).exists(), "{leftover} left behind");
+    }
+}
+
+#[test]
+fn a_second_run_on_one_output_is_refused_while_the_first_holds_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let m = synth_tiny(root, "m", 3);
+    let out = root.join("q");
+    // Hold the lock as a running quantize would.
+    let lock = soar_gptq::checkpoint::guard::OutputLock::acquire("--out", &out).unwrap();
+    let o = quantize_in(root, m.to_str().unwrap(), out.to_str().unwrap(), &[]);
+    assert_fails(&o, 1, &format!("pid {}", std::process::id()));
+    assert!(!out.exists());
+    drop(lock);
+    assert_ok(&quantize_in(
+        root,
+        m.to_str().unwrap(),
+        out.to_str().unwrap(),
+        &[],
+    ));
+}
+
+#[test]
+fn resumable_work_is_not_discarded_without_force() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let m = synth_tiny(root, "m", 4);
+    let out = root.join("q");
+    let (ms, os) = (m.to_str().unwrap(), out.to_str().unwrap());
+    let o = quantize_in(root, ms, os, &["--stop-after-layers", "2"]);
+    assert_fails(&o, 1, "--resume");
+    let partial = root.join("q.partial");
+    let kept = tree(&partial);
+    assert_fails(&quantize_in(root, ms, os, &[]), 1, "--resume to continue");
+    assert_eq!(tree(&partial), kept);
+    // --force discards it and starts over.
+    assert_ok(&quantize_in(root, ms, os, &["--force"]));
+    assert!(!partial.exists());
+}
+
+#[test]
+fn pack_marlin_and_synth_refuse_outputs_that_alias_their_inputs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let models = root.join("models");
+    std::fs::create_dir(&models).unwrap();
+    let m = synth_tiny(&models, "m", 5);
+    let q = models.join("q");
+    assert_ok(&quantize_in(
+        root,
+        m.to_str().unwrap(),
+        q.to_str().unwrap(),
+        &[],
+    ));
+    let before = tree(root);
+    for out in [
+        q.clone(),
+        models.clone(),
+        q.join("marlin"),
+        root.to_path_buf(),
+    ] {
+        let o = run(&[
+            "pack-marlin",
+            "--in",
+            q.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--force",
+        ]);
+        assert_fails(&o, 1, "the input --in");
+        assert_eq!(tree(root), before, "pack-marlin --out {}", out.display());
+    }
+    // synth --config / --tokenizer are inputs.
+    let cfg_dir = root.join("cfg");
+    std::fs::create_dir(&cfg_dir).unwrap();
+    let cfg = cfg_dir.join("config.json");
+    std::fs::copy(m.join("config.json"), &cfg).unwrap();
+    let o = run(&[
+        "synth",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--out",
+        cfg_dir.to_str().unwrap(),
+        "--force",
+    ]);
+    assert_fails(&o, 1, "the input --config");
+    assert!(cfg.is_file());
+}
+
+#[test]
+fn skips_that_cover_whole_layers_write_resume_and_load() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let m = synth_tiny(root, "m", 6);
+    let ms = m.to_str().unwrap();
+    // Layer 0 kept whole: its journal entry holds no tensors; a resume replays past it.
+    let out = root.join("q0");
+    let os = out.to_str().unwrap();
+    let skip0 = ["--skip", r"layers\.0\."];
+    let o = quantize_in(
+        root,
+        ms,
+        os,
+        &[skip0[0], skip0[1], "--stop-after-layers", "2"],
+    );
+    assert_fails(&o, 1, "--resume");
+    assert_ok(&quantize_in(
+        root,
+        ms,
+        os,
+        &[skip0[0], skip0[1], "--resume"],
+    ));
+    let uninterrupted = root.join("q0b");
+    assert_ok(&quantize_in(
+        root,
+        ms,
+        uninterrupted.to_str().unwrap(),
+        &skip0,
+    ));
+    assert_eq!(
+        std::fs::read(out.join("manifest.json")).unwrap(),
+        std::fs::read(uninterrupted.join("manifest.json")).unwrap()
+    );
+    assert_ok(&run(&["inspect", os, "--engine", "sglang"]));
+    // Everything kept (".*", and the empty pattern that matches every name).
+    for (name, pattern) in [("all", ".*"), ("empty", "")] {
+        let out = root.join(name);
+        assert_ok(&quantize_in(
+            root,
+            ms,
+            out.to_str().unwrap(),
+            &["--skip", pattern],
+        ));
+        assert_ok(&run(&[
+            "inspect",
+            out.to_str().unwrap(),
+            "--engine",
+            "sglang",
+        ]));
+        let ck = soar_gptq::checkpoint::Checkpoint::open(&out).unwrap();
+        assert!(!ck.names().any(|n| n.ends_with(".qweight")));
+    }
+}

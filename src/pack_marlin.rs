@@ -351,7 +351,8 @@ pub fn pack_marlin_checkpoint(
     });
     let engine_check = match engine.filter(|_| supported) {
         Some(e) => {
-            let c = engine::check_dir(od.path(), e, true)?;
+            let mut c = engine::check_dir(od.path(), e, true)?;
+            c.serve = c.serve_at(&out.display().to_string());
             ensure!(
                 c.loads,
                 "{}\nNothing was written to {}",

@@ -346,3 +346,56 @@ fn skips_that_cover_whole_layers_write_resume_and_load() {
         assert!(!ck.names().any(|n| n.ends_with(".qweight")));
     }
 }
+
+#[test]
+fn a_damaged_journal_is_refused_not_indexed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let m = synth_tiny(root, "m", 7);
+    let out = root.join("q");
+    let (ms, os) = (m.to_str().unwrap(), out.to_str().unwrap());
+    assert_fails(
+        &quantize_in(root, ms, os, &["--stop-after-layers", "2"]),
+        1,
+        "--resume",
+    );
+    let jpath = root.join("q.partial").join("journal").join("journal.json");
+    let good = std::fs::read_to_string(&jpath).unwrap();
+    let edit = |f: &dyn Fn(&mut serde_json::Value)| {
+        let mut j: serde_json::Value = serde_json::from_str(&good).unwrap();
+        f(&mut j);
+        std::fs::write(&jpath, serde_json::to_string(&j).unwrap()).unwrap();
+    };
+    let cases: [(&dyn Fn(&mut serde_json::Value), &str); 4] = [
+        (
+            &|j| j["layers"][1]["index"] = serde_json::json!(1_000_000_000_000_000_000u64),
+            "journal is damaged",
+        ),
+        (
+            &|j| j["layers"][0]["file"] = serde_json::json!("../../../etc/passwd"),
+            "journal is damaged",
+        ),
+        (
+            &|j| {
+                let l = j["layers"][0].clone();
+                let v = j["layers"].as_array_mut().unwrap();
+                for _ in 0..10 {
+                    v.push(l.clone());
+                }
+            },
+            "the model has 4",
+        ),
+        (
+            &|j| j["layers"][1]["index"] = serde_json::json!(1e18),
+            "not a valid journal",
+        ),
+    ];
+    for (f, needle) in cases {
+        edit(f);
+        let o = quantize_in(root, ms, os, &["--resume"]);
+        assert_fails(&o, 1, needle);
+        assert!(jpath.is_file(), "the refused resume removed the journal");
+    }
+    std::fs::write(&jpath, &good).unwrap();
+    assert_ok(&quantize_in(root, ms, os, &["--resume"]));
+}

@@ -21,6 +21,8 @@
 #   quality the fixture's quality table: BF16, RTN, GPTQ static/dynamic/skip at 4 and 3 bits
 #   e2e128 / e2e256   synth --preset minicpm-sala-9b, then quantize with 128 (256) x 2048
 #           calibration tokens on the GPU: report with per-stage times and GPU memory
+#   serve   the 9.5B output for SGLang: inspect --engine for each engine, pack-marlin and its
+#           legacy-marlin check; config, model card and verdicts come back
 # Logs and reports go to $OUT (default /tmp/gpu-bench).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -169,6 +171,31 @@ r['modules']=r['modules'][:8]
 json.dump(r,open('$OUT/e2e${n}_report.json','w'),indent=1)
 "
     rm -rf /tmp/q$n
+    ;;
+  serve)
+    # The serving-ready output on the full model: quantize for SGLang (default settings), the
+    # SGLang load emulated on it, pack-marlin with its legacy-marlin check; config, card and the
+    # engine verdicts come back.
+    log "serve"
+    B=/tmp/sala9b
+    [ -f $B/config.json ] || timed "$SG" synth --preset minicpm-sala-9b --out $B 2>&1 | tail -2 | tee -a "$OUT/summary.txt"
+    rm -rf /tmp/qs /tmp/qs.partial /tmp/qm
+    timed "$SG" quantize --model $B --out /tmp/qs --device cuda > /tmp/serve.txt 2> /tmp/serve.err
+    echo "rc $?" | tee -a "$OUT/summary.txt"
+    grep -E "preflight|rc |wall" /tmp/serve.err | tee -a "$OUT/summary.txt"
+    tail -4 /tmp/serve.txt | tee -a "$OUT/summary.txt"
+    "$SG" inspect /tmp/qs --engine sglang > $OUT/serve_inspect.txt 2>&1; echo "inspect --engine sglang rc $?" | tee -a "$OUT/summary.txt"
+    "$SG" inspect /tmp/qs --engine sglang --json > $OUT/serve_inspect.json 2> /dev/null
+    for e in vllm transformers; do
+      "$SG" inspect /tmp/qs --engine $e > /dev/null 2> $OUT/serve_$e.err; echo "inspect --engine $e rc $?" | tee -a "$OUT/summary.txt"
+    done
+    cp /tmp/qs/config.json $OUT/serve_config.json; cp /tmp/qs/README.md $OUT/serve_card.md
+    cp /tmp/qs/manifest.json $OUT/serve_manifest.json
+    timed "$SG" pack-marlin --in /tmp/qs --out /tmp/qm > $OUT/serve_marlin.txt 2>&1; echo "pack-marlin rc $?" | tee -a "$OUT/summary.txt"
+    grep wall $OUT/serve_marlin.txt | tee -a "$OUT/summary.txt"
+    "$SG" inspect /tmp/qm --engine sglang --legacy-marlin > /dev/null 2>&1; echo "inspect marlin --legacy-marlin rc $?" | tee -a "$OUT/summary.txt"
+    "$SG" inspect /tmp/qm --engine sglang > /dev/null 2> $OUT/serve_marlin_current.err; echo "inspect marlin (current releases) rc $?" | tee -a "$OUT/summary.txt"
+    rm -rf /tmp/qs /tmp/qm
     ;;
   *)
     echo "unknown stage $stage" >&2

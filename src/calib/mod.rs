@@ -215,6 +215,7 @@ fn file_source(path: &Path, weight: f64, chat: &ChatFormat) -> Result<Source> {
         Some("jsonl") => Kind::Jsonl,
         _ => bail!("--calib {name}: expected a .txt or .jsonl file (or a folder of them)"),
     };
+    crate::checkpoint::guard::regular_file(path, "--calib")?;
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read calibration file {name}"))?;
     Ok(Source {

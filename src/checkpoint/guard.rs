@@ -12,6 +12,25 @@ use anyhow::{bail, Context, Result};
 use std::io::{Read, Seek, Write};
 use std::path::{Component, Path, PathBuf};
 
+/// Refuses an input that is not a regular file (after symlinks): opening a FIFO blocks until a
+/// writer appears, and a device or folder is never a model file. `what` names it in the message.
+pub fn regular_file(path: &Path, what: &str) -> Result<()> {
+    let m = std::fs::metadata(path)
+        .with_context(|| format!("cannot read {what} {}", path.display()))?;
+    if !m.is_file() {
+        bail!(
+            "{what} {} is not a regular file ({}): pass the file itself",
+            path.display(),
+            if m.is_dir() {
+                "a folder"
+            } else {
+                "a FIFO, socket or device, which would block or never end"
+            }
+        );
+    }
+    Ok(())
+}
+
 /// One input of a command: the flag that named it (for messages) and its path.
 #[derive(Debug, Clone)]
 pub struct InputPath {

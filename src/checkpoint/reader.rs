@@ -158,6 +158,7 @@ impl Checkpoint {
         let mut tensors = BTreeMap::new();
         for (si, file) in files.iter().enumerate() {
             let path = dir.join(file);
+            super::guard::regular_file(&path, "shard")?;
             let f = std::fs::File::open(&path)
                 .with_context(|| format!("cannot open shard {}", path.display()))?;
             // SAFETY: the file is opened read-only; the tool never writes to its inputs. A file

@@ -394,6 +394,7 @@ fn read_eval_text(data: &str) -> Result<String> {
     if data == "default" {
         return Ok(DEFAULT_EVAL_TEXT.to_string());
     }
+    crate::checkpoint::guard::regular_file(std::path::Path::new(data), "--data")?;
     std::fs::read_to_string(data).with_context(|| format!("cannot read --data {data}"))
 }
 
@@ -484,9 +485,14 @@ fn run(cli: Cli) -> Result<()> {
                     }
                 }
                 Some(engine) => {
-                    // The engine's view first: it explains a failure better than validation.
+                    // The engine's view first: it explains a failure better than validation,
+                    // and the full validation (which reads every tensor) runs only when it passes.
                     let check = crate::engine::check_dir(&a.dir, engine.into(), a.legacy_marlin)?;
-                    let validated = inspect();
+                    let validated = if check.loads {
+                        inspect()
+                    } else {
+                        Err(anyhow::anyhow!("not validated: the engine check failed"))
+                    };
                     if a.json {
                         let doc = serde_json::json!({
                             "inspect": match &validated {
@@ -502,6 +508,11 @@ fn run(cli: Cli) -> Result<()> {
                             r.print_text();
                         }
                         check.print_text();
+                        if let Err(e) = &validated {
+                            if check.loads {
+                                println!("validation     FAILED: {e:#}");
+                            }
+                        }
                     }
                     if !check.loads {
                         bail!("{}", check.error_text(&a.dir.display().to_string()));

@@ -542,7 +542,11 @@ pub fn check(view: &FolderView, engine: Engine, legacy_marlin: bool) -> Result<E
         }
     }
     let serves_bf16 = matches!(dtype_name, Some("bfloat16"));
-    let fp16_only = engine == Engine::Sglang && uses(Method::Gptq) && serves_bf16;
+    // (A Marlin-format folder falls back to plain gptq in current releases; that finding says so.)
+    let marlin_format = quant
+        .as_ref()
+        .is_some_and(|q| q.format == crate::format::quantized::QuantFormat::Marlin);
+    let fp16_only = engine == Engine::Sglang && uses(Method::Gptq) && serves_bf16 && !marlin_format;
     if fp16_only {
         let f = Finding::new(
             "SGLang's plain gptq kernels take float16 activations only, and config.json says \

@@ -68,6 +68,7 @@ impl LoadedModel {
             }
         };
         let tok_path = dir.join("tokenizer.json");
+        crate::checkpoint::guard::regular_file(&tok_path, "tokenizer")?;
         let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
             .map_err(|e| anyhow::anyhow!("cannot load {}: {e}", tok_path.display()))?;
         Ok(Self {

@@ -368,6 +368,7 @@ fn gguf_source(name: &str, cfg: &LlamaConfig) -> Result<(String, Option<usize>)>
 
 pub fn import_gguf(opts: &ImportOptions) -> Result<ImportReport> {
     let path = &opts.gguf;
+    crate::checkpoint::guard::regular_file(path, "--gguf")?;
     let mut file = std::fs::File::open(path)
         .with_context(|| format!("cannot open --gguf {}", path.display()))?;
     let content = Content::read(&mut file)

@@ -972,7 +972,10 @@ pub fn dequant_marlin(
     let dev = cuda(device)?;
     let stream = dev.cuda_stream();
     ensure!(
-        b.len() == k / 16 * 2 * n && src_row.len() == k && k % 16 == 0 && n % 64 == 0,
+        b.len() == k / 16 * 2 * n
+            && src_row.len() == k
+            && k.is_multiple_of(16)
+            && n.is_multiple_of(64),
         "internal: Marlin tensors do not match [K={k}, N={n}]"
     );
     let (bd, sd, rd) = (

@@ -48,6 +48,7 @@ impl From<LlamaConfig> for AnyConfig {
 
 impl AnyConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
+        crate::checkpoint::guard::regular_file(path, "config")?;
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read {}", path.display()))?;
         Self::from_json(&text).with_context(|| format!("invalid model config {}", path.display()))

@@ -86,10 +86,13 @@ pub fn model_card(r: &QuantizeReport, verify: Option<&CompareReport>) -> String 
                 let _ = writeln!(c, "{} would not load this folder.\n", chk.engine.label());
             }
         }
+        for w in &chk.warnings {
+            let _ = writeln!(c, "- warning: {} (fix: {})", w.what, w.fix);
+        }
         for n in &chk.notes {
             let _ = writeln!(c, "- {n}");
         }
-        if !chk.notes.is_empty() {
+        if !chk.notes.is_empty() || !chk.warnings.is_empty() {
             c.push('\n');
         }
     }

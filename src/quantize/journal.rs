@@ -122,6 +122,35 @@ impl Journal {
             .with_context(|| format!("cannot update the journal in {}", dir.display()))
     }
 
+    /// The finished layers must be layers 0, 1, 2, ... of this model, in order, each in its own
+    /// `layer-NNNNN/` file: anything else is a damaged journal (refused, never indexed blindly).
+    pub fn check_layers(&self, dir: &Path, num_layers: usize) -> Result<()> {
+        let p = dir.join(JOURNAL_FILE);
+        if self.layers.len() > num_layers {
+            bail!(
+                "cannot resume: {} lists {} finished layers, but the model has {num_layers}; the \
+                 journal is damaged: start again without --resume (--force discards it)",
+                p.display(),
+                self.layers.len()
+            );
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            let prefix = format!("layer-{i:05}/");
+            if l.index != i || !l.file.starts_with(&prefix) || l.file[prefix.len()..].contains('/')
+            {
+                bail!(
+                    "cannot resume: entry {i} of {} is layer {} in {:?}, expected layer {i} in \
+                     {prefix}; the journal is damaged: start again without --resume (--force \
+                     discards it)",
+                    p.display(),
+                    l.index,
+                    l.file
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// Refuses to resume when anything that determines the output has changed.
     pub fn check_matches(&self, now: &Hashes) -> Result<()> {
         let h = &self.hashes;

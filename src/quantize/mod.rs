@@ -418,6 +418,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     let ck = Checkpoint::open(&src.dir)?;
     ck.validate_exact(&cfg.expected_tensors())?;
     let tok_path = src.dir.join("tokenizer.json");
+    crate::checkpoint::guard::regular_file(&tok_path, "tokenizer")?;
     let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
         .map_err(|e| anyhow!("cannot load {}: {e}", tok_path.display()))?;
 
@@ -557,6 +558,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     let jdir = out.path().join("journal");
     let mut journal = if opts.resume {
         let j = Journal::load(&jdir)?;
+        j.check_layers(&jdir, cfg.num_hidden_layers())?;
         j.check_matches(&hashes)?;
         j
     } else {
@@ -633,7 +635,8 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     // The engine check again, on the files as written.
     let engine_check = match opts.engine {
         Some(target) => {
-            let c = engine::check_dir(out.path(), target, false)?;
+            let mut c = engine::check_dir(out.path(), target, false)?;
+            c.serve = c.serve_at(&opts.out.display().to_string());
             if !c.loads {
                 bail!(
                     "{}\nThe output was not committed (this is a bug in soar-gptq: the check \

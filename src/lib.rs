@@ -16,6 +16,7 @@ pub mod gptq;
 pub mod inspect;
 pub mod kernels;
 pub mod model;
+pub mod output;
 pub mod pack_marlin;
 pub mod quantize;
 pub mod rng;

@@ -85,26 +85,28 @@ pub struct PackMarlinReport {
 
 impl PackMarlinReport {
     pub fn print_text(&self) {
-        println!("input          {} ({})", self.input, self.input_format);
-        println!("output         {} (checkpoint_format marlin)", self.output);
-        println!(
+        crate::outln!("input          {} ({})", self.input, self.input_format);
+        crate::outln!("output         {} (checkpoint_format marlin)", self.output);
+        crate::outln!(
             "modules        {} packed ({} with act-order sort indices); {} tensors copied",
-            self.modules_packed, self.act_order_modules, self.tensors_copied
+            self.modules_packed,
+            self.act_order_modules,
+            self.tensors_copied
         );
-        println!(
+        crate::outln!(
             "bytes          {:.3} GB of tensors ({:.3} GB Marlin B/s) in {} shard(s)",
             self.tensor_bytes as f64 / 1e9,
             self.quantized_bytes as f64 / 1e9,
             self.shards.len()
         );
         if !self.side_files.is_empty() {
-            println!("copied         {}", self.side_files.join(", "));
+            crate::outln!("copied         {}", self.side_files.join(", "));
         }
-        println!(
+        crate::outln!(
             "verification   every B and s read back from disk unpacks bit-exactly to the GPTQ \
              codes and scales"
         );
-        println!(
+        crate::outln!(
             "engines        no current SGLang or vLLM release reads checkpoint_format marlin \
              (they serve the GPTQ input through gptq_marlin); legacy-marlin loaders do:"
         );
@@ -112,9 +114,9 @@ impl PackMarlinReport {
             c.print_text();
         }
         if let Some(n) = &self.engine_note {
-            println!("               {n}");
+            crate::outln!("               {n}");
         }
-        println!("time           {:.1} s", self.seconds);
+        crate::outln!("time           {:.1} s", self.seconds);
     }
 }
 
@@ -200,6 +202,7 @@ pub fn pack_marlin_checkpoint(
     // Checked before anything is read: an --out that aliases --in would destroy it.
     crate::checkpoint::guard::check_output("--out", out, &[], &model_inputs("--in", input))?;
     let ck = Checkpoint::open(input)?;
+    ck.check_finite()?;
     let expected = expected_bf16_tensors(input).ok();
     let modules = validate_quantized_modules(&ck, &info, expected.as_deref())
         .with_context(|| format!("{} is not a valid GPTQ checkpoint", input.display()))?;

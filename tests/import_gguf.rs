@@ -374,6 +374,67 @@ fn tied_embeddings_and_bad_files_fail_or_pass_cleanly() {
         &set("llama.expert_count", Value::U32(8)),
         "mixture-of-experts",
     );
+    // Header fields the GGUF reader takes on trust.
+    bad(
+        "align0",
+        &set("general.alignment", Value::U32(0)),
+        "general.alignment 0?",
+    );
+    bad(
+        "align7",
+        &set("general.alignment", Value::U32(7)),
+        "general.alignment is 7",
+    );
+    bad(
+        "nanrope",
+        &set("llama.rope.freq_base", Value::F32(f32::NAN)),
+        "llama.rope.freq_base is NaN",
+    );
+    bad(
+        "nanrms",
+        &set(
+            "llama.attention.layer_norm_rms_epsilon",
+            Value::F32(f32::NAN),
+        ),
+        "llama.attention.layer_norm_rms_epsilon is NaN",
+    );
+    bad(
+        "layers",
+        &set("llama.block_count", Value::U32(10_000_000)),
+        "num_hidden_layers is 10000000",
+    );
+    // Raw edits of a good file: a tensor name given twice; every tensor at offset 0.
+    let raw = std::fs::read(&gguf).unwrap();
+    let find = |hay: &[u8], needle: &[u8]| hay.windows(needle.len()).position(|w| w == needle);
+    let name = |n: &str| {
+        let mut v = (n.len() as u64).to_le_bytes().to_vec();
+        v.extend_from_slice(n.as_bytes());
+        v
+    };
+    let mut dup = raw.clone();
+    let k = find(&dup, &name("blk.0.attn_k.weight")).unwrap();
+    dup[k + 8..k + 8 + 19].copy_from_slice(b"blk.0.attn_q.weight");
+    let p = root.join("dup.gguf");
+    std::fs::write(&p, dup).unwrap();
+    assert_fails(
+        &import(&p, &root.join("dup"), &[]),
+        1,
+        "a tensor name is given twice",
+    );
+    let content = {
+        let mut f = std::fs::File::open(&gguf).unwrap();
+        gguf_file::Content::read(&mut f).unwrap()
+    };
+    let mut zero = raw.clone();
+    for (n, info) in &content.tensor_infos {
+        let at = find(&zero, &name(n)).unwrap() + 8 + n.len();
+        let off = at + 4 + 8 * info.shape.rank() + 4;
+        zero[off..off + 8].copy_from_slice(&0u64.to_le_bytes());
+    }
+    let p = root.join("zero.gguf");
+    std::fs::write(&p, zero).unwrap();
+    assert_fails(&import(&p, &root.join("zero"), &[]), 1, "overlap");
+
     let not_gguf = write_text(root, "x.gguf", "not a gguf file");
     assert_fails(
         &import(&not_gguf, &root.join("x"), &[]),

@@ -95,6 +95,10 @@ pub struct ChatFormat {
     pub eos_token: String,
 }
 
+/// Template instructions one conversation may take to render (real chat templates take a few
+/// thousand per message).
+pub const TEMPLATE_FUEL: u64 = 20_000_000;
+
 impl ChatFormat {
     /// Reads `chat_template` from `chat_template.jinja` or `tokenizer_config.json` in `dir`.
     pub fn from_model_dir(dir: &Path) -> Result<Self> {
@@ -129,10 +133,14 @@ impl ChatFormat {
     }
 
     /// Renders one conversation. Without a template, ChatML (what MiniCPM uses) is written.
+    /// Rendering is bounded by [`TEMPLATE_FUEL`].
     pub fn render(&self, messages: &serde_json::Value) -> Result<String> {
         match &self.template {
             Some(t) => {
                 let mut env = minijinja::Environment::new();
+                // A template is code from the model repo: bound its work, so a loop that never
+                // ends (or grows without bound) is an error, not a hang.
+                env.set_fuel(Some(TEMPLATE_FUEL));
                 env.add_function(
                     "raise_exception",
                     |msg: String| -> std::result::Result<String, minijinja::Error> {
@@ -150,10 +158,17 @@ impl ChatFormat {
                     eos_token => &self.eos_token,
                     add_generation_prompt => false,
                 };
-                env.get_template("chat")
-                    .unwrap()
-                    .render(ctx)
-                    .map_err(|e| anyhow!("the model's chat_template failed: {e}"))
+                env.get_template("chat").unwrap().render(ctx).map_err(|e| {
+                    if e.kind() == minijinja::ErrorKind::OutOfFuel {
+                        anyhow!(
+                            "the model's chat_template did not finish rendering one \
+                                 conversation within {TEMPLATE_FUEL} steps (a loop that never \
+                                 ends?): fix chat_template, or calibrate on .txt files"
+                        )
+                    } else {
+                        anyhow!("the model's chat_template failed: {e}")
+                    }
+                })
             }
             None => {
                 let mut s = self.bos_token.clone();
@@ -266,6 +281,8 @@ pub fn load_sources(specs: &[CalibSpec], chat: &ChatFormat) -> Result<Vec<Source
             }
         } else if p.is_file() {
             out.push(file_source(p, spec.weight, chat)?);
+        } else if p.exists() {
+            crate::checkpoint::guard::regular_file(p, "--calib")?;
         } else {
             bail!(
                 "--calib {}: no such file or folder (or use `default`)",
@@ -432,6 +449,23 @@ mod tests {
             eos_token: "</s>".into(),
         };
         assert_eq!(f.render(&msgs).unwrap(), "<s>[user]hi[assistant]hello");
+    }
+
+    #[test]
+    fn a_template_that_never_finishes_is_an_error() {
+        let msgs = serde_json::json!([{"role": "user", "content": "hi"}]);
+        // 10^15 iterations: runs out of fuel long before, in bounded time and memory.
+        let t = "{% for a in range(100000) %}{% for b in range(100000) %}{% for c in \
+                 range(100000) %}x{% endfor %}{% endfor %}{% endfor %}";
+        let f = ChatFormat {
+            template: Some(t.into()),
+            bos_token: "<s>".into(),
+            eos_token: "</s>".into(),
+        };
+        let t0 = std::time::Instant::now();
+        let e = f.render(&msgs).unwrap_err().to_string();
+        assert!(e.contains("did not finish rendering"), "{e}");
+        assert!(t0.elapsed().as_secs() < 60);
     }
 
     #[test]

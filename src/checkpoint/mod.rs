@@ -1,5 +1,6 @@
 //! Safetensors checkpoints on disk: validated memory-mapped reading and atomic sharded writing.
 pub mod guard;
+pub mod json;
 pub mod reader;
 pub mod writer;
 

@@ -272,6 +272,58 @@ impl Checkpoint {
     }
 
     /// Checks that the checkpoint holds exactly `expected` (name, shape), every one a float tensor.
+    /// The first float tensor (in name order) holding a NaN or ±Inf, with the element's index:
+    /// such a checkpoint gives NaN perplexities and passes NaN through quantization. Integer
+    /// tensors are skipped. Tensors are scanned in parallel, in chunks.
+    pub fn first_non_finite(&self) -> Option<(String, usize)> {
+        use rayon::prelude::*;
+        let found: Vec<(String, usize)> = self
+            .tensors
+            .par_iter()
+            .filter(|(_, e)| e.dtype.is_float())
+            .filter_map(|(name, e)| {
+                let b = &self.shards[e.shard].mmap[e.start..e.end];
+                let size = e.dtype.size();
+                // Exponent bits all ones: Inf or NaN.
+                let bad = |c: &[u8]| -> bool {
+                    match e.dtype {
+                        Dtype::BF16 => u16::from_le_bytes([c[0], c[1]]) & 0x7f80 == 0x7f80,
+                        Dtype::F16 => u16::from_le_bytes([c[0], c[1]]) & 0x7c00 == 0x7c00,
+                        _ => {
+                            u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & 0x7f80_0000
+                                == 0x7f80_0000
+                        }
+                    }
+                };
+                b.par_chunks(size << 16)
+                    .enumerate()
+                    .find_map_first(|(ci, chunk)| {
+                        chunk
+                            .chunks_exact(size)
+                            .position(bad)
+                            .map(|i| (ci << 16) + i)
+                    })
+                    .map(|i| (name.clone(), i))
+            })
+            .collect();
+        found.into_iter().min()
+    }
+
+    /// Refuses a checkpoint with a non-finite float, naming the tensor, its file and the element.
+    pub fn check_finite(&self) -> Result<()> {
+        if let Some((name, i)) = self.first_non_finite() {
+            let e = &self.tensors[&name];
+            bail!(
+                "tensor {name} in {} holds a non-finite value (NaN or Inf) at element {i} {:?}: the \
+                 checkpoint is damaged (a bad download or a diverged training run); re-create or \
+                 re-download it",
+                self.shard_path(e).display(),
+                unravel(i, &e.shape)
+            );
+        }
+        Ok(())
+    }
+
     pub fn validate_exact(&self, expected: &[(String, Vec<usize>)]) -> Result<()> {
         for (name, shape) in expected {
             let e = self.entry(name)?;
@@ -329,6 +381,11 @@ fn parse_header(buf: &[u8], path: &Path) -> Result<Header> {
     let n = n as usize;
     let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&buf[8..8 + n])
         .map_err(|e| bad(format!("header is not a JSON object ({e})")))?;
+    if let Some(k) = super::json::duplicate_key(&buf[8..8 + n]) {
+        return Err(bad(format!(
+            "the header names {k} twice (a tensor or __metadata__ key given twice is ambiguous)"
+        )));
+    }
     let data_len = buf.len() - 8 - n;
     let mut metadata = BTreeMap::new();
     let mut entries = Vec::new();
@@ -401,5 +458,25 @@ fn parse_header(buf: &[u8], path: &Path) -> Result<Header> {
         }
         pos = e;
     }
+    if pos != buf.len() {
+        return Err(bad(format!(
+            "bytes {} to {} of the data section belong to no tensor (the format forbids \
+             unindexed data; truncated header or appended bytes)",
+            pos - 8 - n,
+            data_len
+        )));
+    }
     Ok((entries, metadata))
+}
+
+/// The multi-index of flat element `i` in a row-major tensor of `shape`.
+fn unravel(mut i: usize, shape: &[usize]) -> Vec<usize> {
+    let mut idx = vec![0; shape.len()];
+    for (d, &s) in shape.iter().enumerate().rev() {
+        if s > 0 {
+            idx[d] = i % s;
+            i /= s;
+        }
+    }
+    idx
 }

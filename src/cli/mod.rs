@@ -444,7 +444,7 @@ fn run(cli: Cli) -> Result<()> {
             };
             let report = crate::quantize::quantize(&opts)?;
             if a.json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
+                crate::outln!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 report.print_text();
             }
@@ -479,7 +479,7 @@ fn run(cli: Cli) -> Result<()> {
                 None => {
                     let r = inspect()?;
                     if a.json {
-                        println!("{}", serde_json::to_string_pretty(&r.to_json()?)?);
+                        crate::outln!("{}", serde_json::to_string_pretty(&r.to_json()?)?);
                     } else {
                         r.print_text();
                     }
@@ -502,7 +502,7 @@ fn run(cli: Cli) -> Result<()> {
                             "validation_error": validated.as_ref().err().map(|e| format!("{e:#}")),
                             "engine": check,
                         });
-                        println!("{}", serde_json::to_string_pretty(&doc)?);
+                        crate::outln!("{}", serde_json::to_string_pretty(&doc)?);
                     } else {
                         if let Ok(r) = &validated {
                             r.print_text();
@@ -510,7 +510,7 @@ fn run(cli: Cli) -> Result<()> {
                         check.print_text();
                         if let Err(e) = &validated {
                             if check.loads {
-                                println!("validation     FAILED: {e:#}");
+                                crate::outln!("validation     FAILED: {e:#}");
                             }
                         }
                     }
@@ -529,7 +529,7 @@ fn run(cli: Cli) -> Result<()> {
                 shard_bytes: a.shard_size,
             })?;
             if a.json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
+                crate::outln!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 report.print_text();
             }
@@ -542,7 +542,7 @@ fn run(cli: Cli) -> Result<()> {
                 a.engine.engine(),
             )?;
             if a.json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
+                crate::outln!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 report.print_text();
             }
@@ -561,9 +561,9 @@ fn run(cli: Cli) -> Result<()> {
             let text = read_eval_text(&a.data)?;
             let c = crate::eval::compare(&src.dir, &a.compare, &text, &opts)?;
             if a.json && a.compare.is_empty() {
-                println!("{}", serde_json::to_string_pretty(&c.reference)?);
+                crate::outln!("{}", serde_json::to_string_pretty(&c.reference)?);
             } else if a.json {
-                println!("{}", serde_json::to_string_pretty(&c)?);
+                crate::outln!("{}", serde_json::to_string_pretty(&c)?);
             } else {
                 print_comparison(&src.description, &c);
             }
@@ -595,20 +595,30 @@ impl Inspected {
 
 fn print_comparison(reference: &str, c: &crate::eval::CompareReport) {
     let r = &c.reference;
-    println!(
+    crate::outln!(
         "scored {} tokens in {} windows of {} (protocol: docs/eval.md)",
-        r.tokens, r.windows, r.seqlen
+        r.tokens,
+        r.windows,
+        r.seqlen
     );
-    println!(
+    crate::outln!(
         "{:<40} {:>10} {:>10} {:>10} {:>8}",
-        "model", "ppl", "Δppl", "mean KL", "top-1"
+        "model",
+        "ppl",
+        "Δppl",
+        "mean KL",
+        "top-1"
     );
-    println!(
+    crate::outln!(
         "{:<40} {:>10.4} {:>10} {:>10} {:>8}",
-        reference, r.ppl, "-", "-", "-"
+        reference,
+        r.ppl,
+        "-",
+        "-",
+        "-"
     );
     for m in &c.compared {
-        println!(
+        crate::outln!(
             "{:<40} {:>10.4} {:>+10.4} {:>10.5} {:>7.2}%",
             m.model,
             m.ppl,
@@ -630,12 +640,22 @@ pub fn main() -> i32 {
             return code;
         }
     };
-    match run(cli) {
+    let code = match run(cli) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("error: {e:#}");
             1
         }
+    };
+    // A reader that closed the pipe early (`| head`) wanted no more: not an error. A full or
+    // failing stdout is, though the work itself (a written checkpoint) is complete.
+    match crate::output::finish() {
+        Some(e) if e.kind() == std::io::ErrorKind::BrokenPipe => code,
+        Some(e) => {
+            eprintln!("error: cannot write to standard output: {e}");
+            code.max(1)
+        }
+        None => code,
     }
 }
 

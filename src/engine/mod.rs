@@ -222,7 +222,7 @@ impl EngineCheck {
 
     pub fn print_text(&self) {
         let verdict = if self.loads { "loads" } else { "would FAIL" };
-        println!(
+        crate::outln!(
             "engine         {} {verdict}{}",
             self.engine.label(),
             if self.legacy_marlin {
@@ -232,24 +232,24 @@ impl EngineCheck {
             }
         );
         if !self.modules.is_empty() {
-            println!("  linears      {}", self.method_summary());
+            crate::outln!("  linears      {}", self.method_summary());
         }
         if !self.remote_code.is_empty() {
-            println!("  remote code  {}", self.remote_code.join(", "));
+            crate::outln!("  remote code  {}", self.remote_code.join(", "));
         }
         for p in &self.problems {
-            println!("  problem      {}", p.what);
-            println!("    fix        {}", p.fix);
+            crate::outln!("  problem      {}", p.what);
+            crate::outln!("    fix        {}", p.fix);
         }
         for w in &self.warnings {
-            println!("  warning      {}", w.what);
-            println!("    fix        {}", w.fix);
+            crate::outln!("  warning      {}", w.what);
+            crate::outln!("    fix        {}", w.fix);
         }
         for n in &self.notes {
-            println!("  note         {n}");
+            crate::outln!("  note         {n}");
         }
         if let Some(s) = &self.serve {
-            println!("  serve with   {s}");
+            crate::outln!("  serve with   {s}");
         }
     }
 
@@ -319,11 +319,11 @@ pub fn print_summaries(s: &[LoadSummary], dir: &str) {
     for (i, x) in s.iter().enumerate() {
         let head = if i == 0 { "serving" } else { "" };
         if x.loads {
-            println!("{head:<14} {} loads it", x.engine.label());
+            crate::outln!("{head:<14} {} loads it", x.engine.label());
         } else {
             let first = x.problems.first().map(String::as_str).unwrap_or("");
             let short: String = first.chars().take(110).collect();
-            println!(
+            crate::outln!(
                 "{head:<14} {} would fail: {short}{}{}",
                 x.engine.label(),
                 if short.len() < first.len() { "..." } else { "" },
@@ -336,7 +336,7 @@ pub fn print_summaries(s: &[LoadSummary], dir: &str) {
         }
     }
     if !s.is_empty() {
-        println!(
+        crate::outln!(
             "{:<14} (inspect {dir} --engine sglang|vllm|transformers: the full check, with fixes)",
             ""
         );

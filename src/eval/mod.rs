@@ -56,6 +56,7 @@ impl LoadedModel {
     pub fn open(dir: &Path) -> Result<Self> {
         let cfg = AnyConfig::from_file(&dir.join("config.json"))?;
         let ck = Checkpoint::open(dir)?;
+        ck.check_finite()?;
         let quant = match read_quant_info(dir)? {
             Some(info) => {
                 validate_quantized(&ck, &info, &cfg.expected_tensors())?;
@@ -229,6 +230,21 @@ pub struct CompareReport {
     pub compared: Vec<Comparison>,
 }
 
+/// A NaN or infinite mean NLL is a broken model, not a score: its weights are finite (checked on
+/// load), so its activations overflow (an extreme `scale_emb`, say) or its config is wrong.
+fn finite_nll(nll: f64, dir: &Path) -> Result<()> {
+    if !nll.is_finite() {
+        bail!(
+            "{} gives a mean NLL of {nll} (perplexity {}): its forward pass produces non-finite \
+             logits, so there is no perplexity to report; check its config.json (scale_emb, \
+             rms_norm_eps, ...) and weights",
+            dir.display(),
+            nll.exp()
+        );
+    }
+    Ok(())
+}
+
 pub fn perplexity(dir: &Path, text: &str, opts: &PplOptions) -> Result<PplReport> {
     Ok(compare(dir, &[], text, opts)?.reference)
 }
@@ -255,6 +271,7 @@ pub fn compare(
         count += c;
     }
     let mean = nll / count as f64;
+    finite_nll(mean, reference)?;
     let ref_report = PplReport {
         ppl: mean.exp(),
         nll: mean,
@@ -289,6 +306,7 @@ pub fn compare(
             agree += same.to_dtype(DType::U32)?.sum_all()?.to_scalar::<u32>()? as usize;
         }
         let m = nll / count as f64;
+        finite_nll(m, other)?;
         compared.push(Comparison {
             model: other.display().to_string(),
             ppl: m.exp(),

@@ -412,7 +412,15 @@ fn read_text(path: &Path) -> Result<String> {
 }
 
 fn parse_json(path: &Path, text: &str) -> Result<Value> {
-    serde_json::from_str(text).with_context(|| format!("{} is not valid JSON", path.display()))
+    let v = serde_json::from_str(text)
+        .with_context(|| format!("{} is not valid JSON", path.display()))?;
+    if let Some(k) = crate::checkpoint::json::duplicate_key(text.as_bytes()) {
+        bail!(
+            "{}: key {k} appears twice, so which value is meant is ambiguous; keep one",
+            path.display()
+        );
+    }
+    Ok(v)
 }
 
 pub(crate) fn read_json(path: &Path) -> Result<Value> {

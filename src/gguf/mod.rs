@@ -14,7 +14,7 @@ use crate::checkpoint::guard::InputPath;
 use crate::checkpoint::writer::{self, OutputDir, TensorSpec};
 use crate::checkpoint::Dtype;
 use crate::model::llama::LlamaConfig;
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::Device;
 use std::collections::{BTreeMap, BTreeSet};
@@ -51,34 +51,38 @@ pub struct ImportReport {
 
 impl ImportReport {
     pub fn print_text(&self) {
-        println!(
+        crate::outln!(
             "imported       {} ({} bytes, sha256 {})",
-            self.source, self.source_bytes, self.source_sha256
+            self.source,
+            self.source_bytes,
+            self.source_sha256
         );
         if let Some(n) = self.general.get("general.name") {
-            println!("model          {n}");
+            crate::outln!("model          {n}");
         }
         let types: Vec<String> = self
             .tensor_types
             .iter()
             .map(|(k, v)| format!("{k} x{v}"))
             .collect();
-        println!(
+        crate::outln!(
             "tensors        {} ({}), {} parameters, dequantized to BF16; {} Q/K weights un-permuted",
             self.tensors,
             types.join(", "),
             self.parameters,
             self.unpermuted
         );
-        println!(
+        crate::outln!(
             "config         {}, vocab {}, tied embeddings {}",
-            self.architecture, self.vocab_size, self.tie_word_embeddings
+            self.architecture,
+            self.vocab_size,
+            self.tie_word_embeddings
         );
-        println!(
+        crate::outln!(
             "tokenizer      byte-level BPE (pre-tokenizer {}), round trip checked",
             self.tokenizer_pre.as_deref().unwrap_or("default")
         );
-        println!("written        {}", self.output);
+        crate::outln!("written        {}", self.output);
     }
 }
 
@@ -143,12 +147,19 @@ impl Meta<'_> {
 
     /// A float; f32 values are read as their shortest decimal (1e-5, not 9.99999974e-6).
     fn float(&self, k: &str) -> Result<Option<f64>> {
-        Ok(match self.get(k) {
+        let v = match self.get(k) {
             None => None,
             Some(Value::F32(x)) => Some(x.to_string().parse().expect("f32 prints as a number")),
             Some(Value::F64(x)) => Some(*x),
             Some(_) => self.int(k)?.map(|v| v as f64),
-        })
+        };
+        if let Some(x) = v {
+            ensure!(
+                x.is_finite() && x > 0.0,
+                "GGUF metadata {k} is {x}: expected a positive finite number"
+            );
+        }
+        Ok(v)
     }
 
     fn string(&self, k: &str) -> Result<Option<String>> {
@@ -366,13 +377,103 @@ fn gguf_source(name: &str, cfg: &LlamaConfig) -> Result<(String, Option<usize>)>
     Ok((format!("blk.{i}.{g}"), heads))
 }
 
+/// Reads a GGUF header with candle's reader and checks what that reader takes on trust: the
+/// alignment (a multiple of 8; candle divides by it, so 0 panicked), a tensor name given twice
+/// (candle keeps the last), and tensor data that lies on aligned, non-overlapping ranges inside
+/// the file (all-zero offsets imported every tensor from the same bytes).
+fn read_content(file: &mut std::fs::File, path: &std::path::Path) -> Result<Content> {
+    use std::io::{Read, Seek, SeekFrom};
+    let shown = path.display();
+    // Header: magic, version, tensor count (u32 in v1, u64 since v2).
+    let mut head = [0u8; 24];
+    let got = file.read(&mut head).unwrap_or(0);
+    file.seek(SeekFrom::Start(0))?;
+    let declared = if got >= 24 && &head[..4] == b"GGUF" {
+        let version = u32::from_le_bytes(head[4..8].try_into().unwrap());
+        Some(if version == 1 {
+            u32::from_le_bytes(head[8..12].try_into().unwrap()) as u64
+        } else {
+            u64::from_le_bytes(head[8..16].try_into().unwrap())
+        })
+    } else {
+        None
+    };
+    // candle's reader divides by general.alignment; a zero there is a panic, not an error.
+    let prev = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Content::read(file)));
+    std::panic::set_hook(prev);
+    let content = match read {
+        Ok(r) => r.map_err(|e| anyhow!("{shown} is not a readable GGUF file: {e}"))?,
+        Err(_) => bail!(
+            "{shown} is not a readable GGUF file: its header made the GGUF reader fail \
+             (general.alignment 0?); the file is damaged"
+        ),
+    };
+    let alignment = match content.metadata.get("general.alignment") {
+        None => 32,
+        Some(v) => {
+            let a = v
+                .to_u64()
+                .or_else(|_| v.to_u32().map(u64::from))
+                .map_err(|_| anyhow!("{shown}: general.alignment is {v:?}, expected an integer"))?;
+            ensure!(
+                a > 0 && a % 8 == 0,
+                "{shown}: general.alignment is {a}; the GGUF format requires a positive multiple \
+                 of 8, so the tensor offsets cannot be trusted"
+            );
+            a
+        }
+    };
+    if let Some(n) = declared {
+        ensure!(
+            n as usize == content.tensor_infos.len(),
+            "{shown} declares {n} tensors but names only {} distinct ones: a tensor name is \
+             given twice, and which one is meant is ambiguous",
+            content.tensor_infos.len()
+        );
+    }
+    let file_len = file.metadata()?.len();
+    let mut spans: Vec<(u64, u64, &str)> = vec![];
+    for (name, info) in &content.tensor_infos {
+        let elems = info.shape.elem_count() as u64;
+        let block = info.ggml_dtype.block_size() as u64;
+        let size = elems / block.max(1) * info.ggml_dtype.type_size() as u64;
+        ensure!(
+            info.offset % alignment == 0,
+            "{shown}: tensor {name} starts at offset {}, which is not a multiple of the \
+             alignment {alignment}",
+            info.offset
+        );
+        let start = content.tensor_data_offset.saturating_add(info.offset);
+        ensure!(
+            start.saturating_add(size) <= file_len,
+            "{shown}: tensor {name} needs {size} bytes at offset {start}, past the end of the \
+             {file_len}-byte file (truncated?)"
+        );
+        spans.push((info.offset, info.offset + size, name));
+    }
+    spans.sort();
+    for w in spans.windows(2) {
+        ensure!(
+            w[0].1 <= w[1].0,
+            "{shown}: the data of tensors {} and {} overlap (offsets {} and {}): the file is \
+             damaged",
+            w[0].2,
+            w[1].2,
+            w[0].0,
+            w[1].0
+        );
+    }
+    Ok(content)
+}
+
 pub fn import_gguf(opts: &ImportOptions) -> Result<ImportReport> {
     let path = &opts.gguf;
     crate::checkpoint::guard::regular_file(path, "--gguf")?;
     let mut file = std::fs::File::open(path)
         .with_context(|| format!("cannot open --gguf {}", path.display()))?;
-    let content = Content::read(&mut file)
-        .map_err(|e| anyhow!("{} is not a readable GGUF file: {e}", path.display()))?;
+    let content = read_content(&mut file, path)?;
     let m = Meta(&content);
     let ctx = |e: anyhow::Error| e.context(format!("importing {}", path.display()));
     let vocab = read_vocab(&m).map_err(ctx)?;

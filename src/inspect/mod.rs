@@ -42,6 +42,7 @@ pub fn inspect(dir: &Path) -> Result<InspectReport> {
     let cfg = AnyConfig::from_file(&dir.join("config.json"))?;
     let ck = Checkpoint::open(dir)?;
     ck.validate_exact(&cfg.expected_tensors())?;
+    ck.check_finite()?;
     let mut dtypes = BTreeMap::new();
     let (mut params, mut bytes) = (0u64, 0u64);
     for (_, e) in ck.entries() {
@@ -132,10 +133,10 @@ pub fn derived_key_warnings(dir: &Path) -> Vec<String> {
 
 impl InspectReport {
     pub fn print_text(&self) {
-        println!("model          {}", self.dir);
-        println!("architecture   {}", self.architecture);
+        crate::outln!("model          {}", self.dir);
+        crate::outln!("architecture   {}", self.architecture);
         if self.family == "minicpm-sala" {
-            println!(
+            crate::outln!(
                 "layers         {} ({} sparse: {:?}; {} lightning)",
                 self.layers,
                 self.sparse_layers.len(),
@@ -143,16 +144,19 @@ impl InspectReport {
                 self.lightning_layers.len()
             );
         } else {
-            println!(
+            crate::outln!(
                 "layers         {} (dense softmax attention, {} family)",
-                self.layers, self.family
+                self.layers,
+                self.family
             );
         }
-        println!(
+        crate::outln!(
             "dims           hidden {}, intermediate {}, vocab {}",
-            self.hidden_size, self.intermediate_size, self.vocab_size
+            self.hidden_size,
+            self.intermediate_size,
+            self.vocab_size
         );
-        println!(
+        crate::outln!(
             "parameters     {} ({:.2} GB of tensor data)",
             self.parameters,
             self.tensor_bytes as f64 / 1e9
@@ -162,21 +166,21 @@ impl InspectReport {
             .iter()
             .map(|(k, v)| format!("{k} x{v}"))
             .collect();
-        println!(
+        crate::outln!(
             "tensors        {} in {} shard(s); dtypes {}",
             self.tensors,
             self.shards.len(),
             d.join(", ")
         );
         if let Some(m) = &self.manifest {
-            println!("manifest       {m}");
+            crate::outln!("manifest       {m}");
         }
-        println!(
+        crate::outln!(
             "validation     ok: every tensor the config implies is present with the right shape"
         );
         crate::engine::print_summaries(&self.engines, &self.dir);
         for w in &self.warnings {
-            println!("warning        {w}");
+            crate::outln!("warning        {w}");
         }
     }
 }

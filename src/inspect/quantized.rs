@@ -143,6 +143,7 @@ pub fn inspect_quantized(dir: &Path) -> Result<QuantInspectReport> {
         None
     };
     let ck = Checkpoint::open(dir)?;
+    ck.check_finite()?;
     let expected = expected_bf16_tensors(dir);
     let validated_against = match &expected {
         Ok(e) => format!(
@@ -624,11 +625,11 @@ fn settings_reasons(bits: u8, sym: bool, group_size: i32, what: &str) -> Vec<Str
 impl QuantInspectReport {
     pub fn print_text(&self) {
         let s = &self.settings;
-        println!("model          {}", self.dir);
+        crate::outln!("model          {}", self.dir);
         if let Some(a) = &self.architecture {
-            println!("architecture   {a}");
+            crate::outln!("architecture   {a}");
         }
-        println!(
+        crate::outln!(
             "quantization   quant_method {}, checkpoint_format {} ({}); {}-bit, group {}, {}, \
              desc_act {}, lm_head {}",
             s.quant_method.as_deref().unwrap_or("(none)"),
@@ -641,7 +642,7 @@ impl QuantInspectReport {
             s.lm_head
         );
         if !s.missing_keys.is_empty() {
-            println!("missing keys   {}", s.missing_keys.join(", "));
+            crate::outln!("missing keys   {}", s.missing_keys.join(", "));
         }
         for r in &self.dynamic_rules {
             let what = if r.skip {
@@ -649,14 +650,14 @@ impl QuantInspectReport {
             } else {
                 format!("overrides {:?}", r.overrides)
             };
-            println!("dynamic        {:?}: {what} ({} match)", r.key, r.matches);
+            crate::outln!("dynamic        {:?}: {what} ({} match)", r.key, r.matches);
         }
         let act = self
             .quantized_modules
             .iter()
             .filter(|m| m.act_order)
             .count();
-        println!(
+        crate::outln!(
             "quantized      {} module(s){}",
             self.quantized_modules.len(),
             if act > 0 {
@@ -673,7 +674,7 @@ impl QuantInspectReport {
                 None => format!("{} ({})", t.name, t.dtype),
             })
             .collect();
-        println!(
+        crate::outln!(
             "kept           {}",
             if kept.is_empty() {
                 "none".into()
@@ -681,7 +682,7 @@ impl QuantInspectReport {
                 kept.join(", ")
             }
         );
-        println!(
+        crate::outln!(
             "bytes          {:.3} GB quantized (vs {:.3} GB in BF16), {:.3} GB other, {:.3} GB \
              total in {} tensors, {} shard(s)",
             self.quantized_bytes as f64 / 1e9,
@@ -696,33 +697,33 @@ impl QuantInspectReport {
             .iter()
             .filter(|f| f.state.starts_with("quantized"))
             .count();
-        println!(
+        crate::outln!(
             "fused groups   {} consistent ({} quantized, {} kept)",
             self.fused_groups.len(),
             fused_q,
             self.fused_groups.len() - fused_q
         );
         if let Some(m) = &self.manifest {
-            println!("manifest       {m}");
+            crate::outln!("manifest       {m}");
         }
-        println!("marlin         {}", self.marlin_check);
-        println!("validation     ok against {}", self.validated_against);
+        crate::outln!("marlin         {}", self.marlin_check);
+        crate::outln!("validation     ok against {}", self.validated_against);
         for e in &self.engines {
             if e.gptq_marlin {
-                println!("{:<14} selects gptq_marlin", e.engine);
+                crate::outln!("{:<14} selects gptq_marlin", e.engine);
             } else {
-                println!("{:<14} does NOT select gptq_marlin:", e.engine);
+                crate::outln!("{:<14} does NOT select gptq_marlin:", e.engine);
                 for r in &e.reasons {
-                    println!("                 - {r}");
+                    crate::outln!("                 - {r}");
                 }
             }
             for n in &e.notes {
-                println!("                 note: {n}");
+                crate::outln!("                 note: {n}");
             }
         }
         crate::engine::print_summaries(&self.loads, &self.dir);
         for w in &self.warnings {
-            println!("warning        {w}");
+            crate::outln!("warning        {w}");
         }
     }
 }

@@ -49,6 +49,13 @@ impl From<LlamaConfig> for AnyConfig {
 impl AnyConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
         crate::checkpoint::guard::regular_file(path, "config")?;
+        let len = std::fs::metadata(path)?.len();
+        if len > 16 << 20 {
+            bail!(
+                "{} is {len} bytes: a model config is a few kilobytes; the file is not a config",
+                path.display()
+            );
+        }
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read {}", path.display()))?;
         Self::from_json(&text).with_context(|| format!("invalid model config {}", path.display()))
@@ -57,6 +64,9 @@ impl AnyConfig {
     /// Dispatches on `architectures`; an unsupported one is an error listing the supported ones.
     pub fn from_json(text: &str) -> Result<Self> {
         let v: serde_json::Value = serde_json::from_str(text)?;
+        if let Some(k) = crate::checkpoint::json::duplicate_key(text.as_bytes()) {
+            bail!("key {k} appears twice: which value is meant is ambiguous; keep one");
+        }
         let archs: Vec<&str> = match v.get("architectures") {
             Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_str()).collect(),
             _ => bail!(

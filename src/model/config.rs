@@ -184,6 +184,7 @@ impl Config {
             if v == 0 {
                 bail!("{name} is 0");
             }
+            crate::model::check_dimension(name, v)?;
         }
         if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             bail!(

@@ -261,6 +261,7 @@ impl LlamaConfig {
             if v == 0 {
                 bail!("{name} is 0");
             }
+            crate::model::check_dimension(name, v)?;
         }
         let act = r.hidden_act.as_deref().unwrap_or("silu");
         if act != "silu" {

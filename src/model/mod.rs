@@ -35,3 +35,25 @@ pub(crate) fn cached_constant(
         .insert(key, t.clone());
     Ok(t)
 }
+
+/// The most decoder layers a config may declare (released models have up to a few hundred).
+pub const MAX_LAYERS: usize = 4096;
+/// The largest size of any other dimension (hidden, vocabulary, positions...).
+pub const MAX_DIMENSION: usize = 1 << 24;
+
+/// Refuses a config dimension no real model has, before anything is sized from it: a damaged
+/// or hostile config with `num_hidden_layers: 10000000` used to allocate gigabytes of per-layer
+/// bookkeeping before the checkpoint was even looked at.
+pub fn check_dimension(name: &str, v: usize) -> anyhow::Result<()> {
+    let max = if name == "num_hidden_layers" {
+        MAX_LAYERS
+    } else {
+        MAX_DIMENSION
+    };
+    if v > max {
+        anyhow::bail!(
+            "{name} is {v}, beyond any released model (at most {max} here): the config is damaged"
+        );
+    }
+    Ok(())
+}

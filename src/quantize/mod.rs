@@ -417,6 +417,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     let cfg = AnyConfig::from_file(&src.dir.join("config.json"))?;
     let ck = Checkpoint::open(&src.dir)?;
     ck.validate_exact(&cfg.expected_tensors())?;
+    ck.check_finite()?;
     let tok_path = src.dir.join("tokenizer.json");
     crate::checkpoint::guard::regular_file(&tok_path, "tokenizer")?;
     let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)

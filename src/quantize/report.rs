@@ -97,15 +97,20 @@ pub struct GpuMemory {
 
 impl QuantizeReport {
     pub fn print_text(&self) {
-        println!(
+        crate::outln!(
             "{:<44} {:>13} {:>15} {:>17} {:>12} {:>8}",
-            "module", "shape", "loss", "rel.output.err", "damp", "seconds"
+            "module",
+            "shape",
+            "loss",
+            "rel.output.err",
+            "damp",
+            "seconds"
         );
         for r in &self.modules {
-            println!("{}", r.line());
+            crate::outln!("{}", r.line());
         }
         let q = self.modules.iter().filter(|r| r.quantized).count();
-        println!(
+        crate::outln!(
             "\n{} of {} modules quantized ({} {}-bit, group {}, act-order {}); {:.1} s in all, peak memory {}",
             q,
             self.modules.len(),
@@ -124,9 +129,9 @@ impl QuantizeReport {
             .iter()
             .map(|u| format!("{} {} tokens", u.name, u.tokens_used))
             .collect();
-        println!("calibration: {}", used.join(", "));
+        crate::outln!("calibration: {}", used.join(", "));
         if let Some(st) = &self.stages {
-            println!(
+            crate::outln!(
                 "stages (s): load {:.2}, embed {:.2}, forward {:.2} (sparse mixers {:.2}, lightning mixers {:.2}), Hessians {:.2} ({}), factorization {:.2}, column loop {:.2}, pack {:.2}, report {:.2}, journal {:.2}, write {:.2}",
                 st.load,
                 st.embed,
@@ -144,7 +149,7 @@ impl QuantizeReport {
             );
         }
         if let (Some(p), Some(m)) = (&self.preflight, &self.gpu_memory) {
-            println!(
+            crate::outln!(
                 "GPU memory: peak {:.1} GB used, {:.1} GB reserved (preflight expected {:.1} GB); time {:.1} s (preflight expected {:.1} s)",
                 m.pool_peak_used_bytes as f64 / 1e9,
                 m.pool_peak_reserved_bytes as f64 / 1e9,
@@ -153,7 +158,7 @@ impl QuantizeReport {
                 p.seconds
             );
         }
-        println!("wrote {}", self.output);
+        crate::outln!("wrote {}", self.output);
     }
 }
 

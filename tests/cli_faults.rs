@@ -202,7 +202,7 @@ fn ambiguous_json_and_unindexed_bytes_are_refused() {
         1,
     );
     assert_ne!(new, header.trim_end(), "{header}");
-    while new.len() % 8 != 0 {
+    while !new.len().is_multiple_of(8) {
         new.push(' ');
     }
     let mut out = (new.len() as u64).to_le_bytes().to_vec();

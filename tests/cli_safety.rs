@@ -366,7 +366,8 @@ fn a_damaged_journal_is_refused_not_indexed() {
         f(&mut j);
         std::fs::write(&jpath, serde_json::to_string(&j).unwrap()).unwrap();
     };
-    let cases: [(&dyn Fn(&mut serde_json::Value), &str); 4] = [
+    type Edit<'a> = &'a dyn Fn(&mut serde_json::Value);
+    let cases: [(Edit, &str); 4] = [
         (
             &|j| j["layers"][1]["index"] = serde_json::json!(1_000_000_000_000_000_000u64),
             "journal is damaged",

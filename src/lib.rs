@@ -14,6 +14,7 @@ pub mod format;
 pub mod gguf;
 pub mod gptq;
 pub mod inspect;
+pub mod interrupt;
 pub mod kernels;
 pub mod model;
 pub mod output;

@@ -288,6 +288,12 @@ pub fn pack_marlin_checkpoint(
             }
         }
     }
+    crate::checkpoint::guard::check_disk_space(
+        "--out",
+        od.path(),
+        specs.iter().map(TensorSpec::nbytes).sum(),
+        "the tensors",
+    )?;
     let shards = write_sharded(od.path(), &specs, DEFAULT_SHARD_BYTES, |spec, w| {
         let bytes = match &sources[&spec.name] {
             Source::Copy => {

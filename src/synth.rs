@@ -82,6 +82,12 @@ pub fn synth(cfg: &AnyConfig, opts: &SynthOptions) -> Result<PathBuf> {
         .into_iter()
         .map(|(name, shape)| TensorSpec::new(name, Dtype::BF16, shape))
         .collect();
+    crate::checkpoint::guard::check_disk_space(
+        "--out",
+        &dir,
+        specs.iter().map(TensorSpec::nbytes).sum(),
+        "the tensors",
+    )?;
     let progress = crate::cli::progress::bar(specs.len() as u64, "synth");
     writer::write_sharded(&dir, &specs, opts.shard_bytes, |spec, w| {
         let (center, half_width) = init_for(&spec.name, &spec.shape, cfg);

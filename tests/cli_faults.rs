@@ -332,3 +332,47 @@ fn a_closed_or_full_stdout_is_not_a_panic() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
 }
+
+#[test]
+fn a_run_beyond_the_memory_it_has_is_refused_before_it_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let good = synth_tiny(tmp.path(), "good", 5);
+    let out = tmp.path().join("q");
+    let t0 = Instant::now();
+    let o = run(&[
+        "quantize",
+        "--model",
+        good.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--nsamples",
+        "100000000",
+        "--seqlen",
+        "2048",
+        "--device",
+        "cpu",
+    ]);
+    assert_fails(&o, 1, "lower --nsamples (now 100000000)");
+    assert!(stderr(&o).contains("GB are free"), "{}", stderr(&o));
+    assert!(!out.exists() && !tmp.path().join("q.partial").exists());
+    assert!(t0.elapsed() < Duration::from_secs(60));
+}
+
+#[test]
+fn a_quantized_source_and_an_unreadable_tokenizer_config_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let good = synth_tiny(tmp.path(), "good", 6);
+    let gq = tmp.path().join("gq");
+    assert_ok(&q(&good, &gq));
+    assert_fails(
+        &q(&gq, &tmp.path().join("again")),
+        1,
+        "is already quantized",
+    );
+    let m = tmp.path().join("badutf8");
+    copy_dir(&good, &m);
+    std::fs::write(m.join("tokenizer_config.json"), [b'{', 0xff, 0xfe, b'}']).unwrap();
+    let o = q(&m, &tmp.path().join("x"));
+    assert_fails(&o, 1, "tokenizer_config.json");
+    assert!(stderr(&o).contains("UTF-8"), "{}", stderr(&o));
+}

@@ -400,3 +400,137 @@ fn a_damaged_journal_is_refused_not_indexed() {
     std::fs::write(&jpath, &good).unwrap();
     assert_ok(&quantize_in(root, ms, os, &["--resume"]));
 }
+
+/// Sends `sig` to the child once `ready` holds (polled), and returns its output.
+fn signal_when(
+    mut child: std::process::Child,
+    sig: &str,
+    ready: impl Fn() -> bool,
+) -> std::process::Output {
+    let t0 = std::time::Instant::now();
+    while !ready() {
+        assert!(
+            t0.elapsed().as_secs() < 120,
+            "the run never reached the point to signal"
+        );
+        if child.try_wait().unwrap().is_some() {
+            panic!("the run ended before it could be signalled");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let ok = std::process::Command::new("kill")
+        .args([sig, &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    child.stdout.take();
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn ctrl_c_and_sigterm_end_cleanly_and_say_what_was_kept() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let m = synth_tiny(root, "m", 8);
+    let out = root.join("q");
+    let partial = root.join("q.partial");
+    let args = [
+        "quantize",
+        "--model",
+        m.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--nsamples",
+        "2",
+        "--seqlen",
+        "64",
+        "--device",
+        "cpu",
+    ];
+    let spawn = || {
+        bin()
+            .args(args)
+            .env("SOAR_GPTQ_TEST_LAYER_DELAY_MS", "1500")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    // SIGTERM before any layer is recorded: nothing is left, exit 143.
+    let o = signal_when(spawn(), "-TERM", || {
+        partial.join("journal").join("layer-00000").is_dir()
+    });
+    assert_eq!(o.status.code(), Some(143), "{}", stderr(&o));
+    assert!(stderr(&o).contains("interrupted (SIGTERM): nothing was written"));
+    assert!(!partial.exists() && !out.exists() && !root.join("q.lock").exists());
+    // Ctrl-C after a finished layer: the layer is kept for --resume, exit 130.
+    let journal = partial.join("journal").join("journal.json");
+    let o = signal_when(spawn(), "-INT", || journal.is_file());
+    assert_eq!(o.status.code(), Some(130), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("finished layer(s) are kept in") && stderr(&o).contains("--resume"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(journal.is_file() && !out.exists() && !root.join("q.lock").exists());
+    let mut resume = args.to_vec();
+    resume.push("--resume");
+    assert_ok(&run(&resume));
+    let full = root.join("full");
+    let mut again = args.to_vec();
+    again[4] = full.to_str().unwrap();
+    assert_ok(&run(&again));
+    assert_eq!(
+        std::fs::read(out.join("manifest.json")).unwrap(),
+        std::fs::read(full.join("manifest.json")).unwrap()
+    );
+}
+
+#[test]
+fn a_corrupted_cache_blob_is_caught_before_the_first_layer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let m = synth_tiny(root, "m", 9);
+    // The hub cache layout: snapshot files are symlinks to blobs named by their SHA-256.
+    let cache = root.join("hub");
+    let repo = cache.join("models--org--tiny");
+    let sha = "0123456789abcdef0123456789abcdef01234567";
+    let snap = repo.join("snapshots").join(sha);
+    std::fs::create_dir_all(&snap).unwrap();
+    std::fs::create_dir_all(repo.join("blobs")).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs").join("main"), sha).unwrap();
+    let mut shard_blob = None;
+    for e in std::fs::read_dir(&m).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        let h = soar_gptq::checkpoint::writer::sha256_file(&p).unwrap();
+        std::fs::copy(&p, repo.join("blobs").join(&h)).unwrap();
+        std::os::unix::fs::symlink(format!("../../blobs/{h}"), snap.join(&name)).unwrap();
+        if name.ends_with(".safetensors") {
+            shard_blob = Some(repo.join("blobs").join(&h));
+        }
+    }
+    let q = |out: &Path| {
+        bin()
+            .args(["quantize", "--model", "org/tiny", "--out"])
+            .arg(out)
+            .args(["--nsamples", "2", "--seqlen", "64", "--method", "rtn"])
+            .env("HF_HUB_CACHE", &cache)
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .unwrap()
+    };
+    assert_ok(&q(&root.join("ok")));
+    // One flipped byte in the tensor data of a shard (the header still parses).
+    let blob = shard_blob.unwrap();
+    let mut b = std::fs::read(&blob).unwrap();
+    let last = b.len() - 1;
+    b[last] ^= 0x40;
+    std::fs::write(&blob, b).unwrap();
+    let out = root.join("bad");
+    let o = q(&out);
+    assert_fails(&o, 1, "is corrupted or incomplete");
+    assert!(stderr(&o).contains("delete"), "{}", stderr(&o));
+    assert!(!out.exists() && !root.join("bad.partial").exists());
+}

@@ -109,7 +109,9 @@ impl ChatFormat {
         };
         let tc = dir.join("tokenizer_config.json");
         if tc.is_file() {
-            let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tc)?)
+            let text = std::fs::read_to_string(&tc)
+                .with_context(|| format!("cannot read {} (it must be UTF-8 text)", tc.display()))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
                 .with_context(|| format!("{} is not valid JSON", tc.display()))?;
             let tok = |k: &str| -> Option<String> {
                 match &v[k] {
@@ -127,7 +129,9 @@ impl ChatFormat {
         }
         let jinja = dir.join("chat_template.jinja");
         if jinja.is_file() {
-            f.template = Some(std::fs::read_to_string(&jinja)?);
+            f.template = Some(std::fs::read_to_string(&jinja).with_context(|| {
+                format!("cannot read {} (it must be UTF-8 text)", jinja.display())
+            })?);
         }
         Ok(f)
     }

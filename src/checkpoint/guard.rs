@@ -12,6 +12,49 @@ use anyhow::{bail, Context, Result};
 use std::io::{Read, Seek, Write};
 use std::path::{Component, Path, PathBuf};
 
+/// Free bytes on the filesystem that holds `path` (or its nearest existing ancestor), where the
+/// OS says.
+pub fn free_disk_bytes(path: &Path) -> Option<u64> {
+    let mut p = resolve(path).ok()?;
+    while !p.exists() {
+        p = p.parent()?.to_path_buf();
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(p.as_os_str().as_bytes()).ok()?;
+        let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: `c` is a valid NUL-terminated path and `s` a properly sized out-parameter.
+        if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {
+            return None;
+        }
+        Some(s.f_bavail as u64 * s.f_frsize as u64)
+    }
+    #[cfg(not(unix))]
+    {
+        None
+    }
+}
+
+/// Refuses to start writing `needed` bytes for `flag` where the filesystem has less free (with
+/// a 2% margin), naming both figures and what takes the space.
+pub fn check_disk_space(flag: &str, out: &Path, needed: u64, what: &str) -> Result<()> {
+    let Some(free) = free_disk_bytes(out) else {
+        return Ok(());
+    };
+    let want = needed + needed / 50;
+    if want > free {
+        bail!(
+            "not enough free space for {flag} {}: it needs {:.2} GB ({what}) and its filesystem \
+             has {:.2} GB free; free some space or choose an {flag} on another disk",
+            out.display(),
+            want as f64 / 1e9,
+            free as f64 / 1e9
+        );
+    }
+    Ok(())
+}
+
 /// Refuses an input that is not a regular file (after symlinks): opening a FIFO blocks until a
 /// writer appears, and a device or folder is never a model file. `what` names it in the message.
 pub fn regular_file(path: &Path, what: &str) -> Result<()> {
@@ -187,6 +230,11 @@ pub fn lock_path(out: &Path) -> PathBuf {
 }
 
 impl OutputLock {
+    /// The lock file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     pub fn acquire(flag: &str, out: &Path) -> Result<Self> {
         let path = lock_path(out);
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
@@ -352,6 +400,21 @@ mod tests {
                 .to_string();
             assert!(e.contains("folder above it"), "{}: {e}", out.display());
         }
+    }
+
+    #[test]
+    fn free_space_is_read_and_a_write_beyond_it_refused() {
+        let root = tempfile::tempdir().unwrap();
+        let free = free_disk_bytes(&root.path().join("not/yet/there")).unwrap();
+        assert!(free > 0);
+        check_disk_space("--out", &root.path().join("q"), 1, "one byte").unwrap();
+        let e = check_disk_space("--out", &root.path().join("q"), free * 2, "the shards")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("not enough free space for --out") && e.contains("the shards"),
+            "{e}"
+        );
     }
 
     #[test]

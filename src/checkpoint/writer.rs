@@ -219,6 +219,7 @@ pub struct OutputDir {
     keep_partial: bool,
     /// Files copied byte for byte from the source, listed in the manifest.
     copied: Vec<String>,
+    _interrupt: crate::interrupt::Registration,
     _lock: guard::OutputLock,
 }
 
@@ -286,6 +287,7 @@ impl OutputDir {
             .with_context(|| format!("cannot create {}", partial.display()))?;
         Ok(Self {
             out: out.to_path_buf(),
+            _interrupt: crate::interrupt::register(&partial, lock.path()),
             partial,
             done: false,
             keep_partial: false,
@@ -305,6 +307,7 @@ impl OutputDir {
         }
         Ok(Self {
             out: out.to_path_buf(),
+            _interrupt: crate::interrupt::register(&partial, lock.path()),
             partial,
             done: false,
             keep_partial: false,
@@ -340,6 +343,8 @@ impl OutputDir {
     /// output is put back.
     pub fn commit(mut self) -> Result<PathBuf> {
         write_manifest(&self.partial, &self.copied)?;
+        // Ctrl-C waits for the renames: the output is either the old one or the new one.
+        let _renaming = crate::interrupt::critical();
         let replaced = replaced_path(&self.out);
         let had_old = self.out.symlink_metadata().is_ok();
         if had_old {

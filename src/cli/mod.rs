@@ -631,6 +631,7 @@ fn print_comparison(reference: &str, c: &crate::eval::CompareReport) {
 
 /// Entry point of the binary; returns the process exit code.
 pub fn main() -> i32 {
+    crate::interrupt::install();
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {

@@ -543,6 +543,12 @@ pub fn import_gguf(opts: &ImportOptions) -> Result<ImportReport> {
         .iter()
         .map(|(n, s, _, _)| TensorSpec::new(n.clone(), Dtype::BF16, s.clone()))
         .collect();
+    crate::checkpoint::guard::check_disk_space(
+        "--out",
+        &dir,
+        specs.iter().map(TensorSpec::nbytes).sum(),
+        "the tensors",
+    )?;
     let pb = crate::cli::progress::bar(specs.len() as u64, "import");
     writer::write_sharded(&dir, &specs, opts.shard_bytes, |spec, w| {
         let (_, shape, src, heads) = plan

@@ -1007,6 +1007,13 @@ pub fn dequant_marlin(
     Ok(wrap(out, dev, &[n, k]))
 }
 
+/// GPU memory free on `device` right now, in bytes.
+pub fn memory_free(device: &Device) -> Result<u64> {
+    let dev = cuda(device)?;
+    let (free, _) = dev.cuda_stream().context().mem_get_info()?;
+    Ok(free as u64)
+}
+
 /// GPU memory in use on `device` right now (total − free), in bytes.
 pub fn memory_in_use(device: &Device) -> Result<u64> {
     let dev = cuda(device)?;

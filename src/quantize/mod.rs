@@ -414,6 +414,17 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     }
     let src = crate::source::resolve(&opts.model, opts.revision.as_deref())?;
     inputs.extend(guard::model_inputs("--model", &src.dir));
+    if let Some(q) = crate::format::quantized::read_quant_info(&src.dir)? {
+        bail!(
+            "--model {} is already quantized ({}-bit {}, settings in {}): quantize needs the \
+             16-bit source checkpoint; `eval-ppl --compare` scores this one and `pack-marlin` \
+             repacks it",
+            src.description,
+            q.bits,
+            q.format.checkpoint_format(),
+            q.source.display()
+        );
+    }
     let cfg = AnyConfig::from_file(&src.dir.join("config.json"))?;
     let ck = Checkpoint::open(&src.dir)?;
     ck.validate_exact(&cfg.expected_tensors())?;
@@ -541,6 +552,39 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     // A resumed run never deletes the partial folder it was given, even when it refuses it.
     out.keep_on_failure(opts.resume);
 
+    let preflight = Preflight::estimate(
+        &cfg.shape_config(),
+        opts.nsamples,
+        opts.seqlen,
+        opts.batch,
+        opts.dtype,
+        &opts.device,
+        opts.true_sequential,
+        opts.method == Method::Gptq,
+    );
+    eprintln!("{}", preflight.line());
+    // Refused now rather than dying midway: more memory than the device has free, or more disk
+    // than the output's filesystem has.
+    check_memory(&preflight, opts)?;
+    if !opts.resume {
+        let quantized: u64 = specs
+            .iter()
+            .filter(|s| s.dtype == Dtype::I32 || s.name.ends_with(".scales"))
+            .map(TensorSpec::nbytes)
+            .sum();
+        let total: u64 = specs.iter().map(TensorSpec::nbytes).sum();
+        guard::check_disk_space(
+            "--out",
+            out.path(),
+            total + quantized,
+            &format!(
+                "{:.2} GB of shards and {:.2} GB of journal until they are assembled",
+                total as f64 / 1e9,
+                quantized as f64 / 1e9
+            ),
+        )?;
+    }
+
     // Calibration.
     let chat = ChatFormat::from_model_dir(&src.dir)?;
     let sources = calib::load_sources(&opts.calib, &chat)?;
@@ -555,6 +599,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
 
     // Hashes that pin down the output, for the journal and the report.
     let hashes = journal::Hashes::compute(&src.dir, &ck, &settings, &calib.sha256)?;
+    crate::source::verify_shards(&src.dir, &hashes.source_sha256)?;
 
     let jdir = out.path().join("journal");
     let mut journal = if opts.resume {
@@ -573,17 +618,6 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
             .with_context(|| format!("cannot create --save-hessians folder {}", dir.display()))?;
     }
 
-    let preflight = Preflight::estimate(
-        &cfg.shape_config(),
-        calib.windows.len(),
-        opts.seqlen,
-        opts.batch,
-        opts.dtype,
-        &opts.device,
-        opts.true_sequential,
-        opts.method == Method::Gptq,
-    );
-    eprintln!("{}", preflight.line());
     #[cfg(feature = "cuda")]
     if opts.device.is_cuda() {
         crate::kernels::cuda::keep_pool_memory(&opts.device)?;
@@ -727,6 +761,65 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     )?;
     out.commit()?;
     Ok(report)
+}
+
+/// Refuses a run whose preflight peak exceeds the memory free on its device, with the numbers
+/// and the flags that lower it.
+fn check_memory(p: &Preflight, opts: &QuantizeOptions) -> Result<()> {
+    let free = if opts.device.is_cpu() {
+        host_available_bytes()
+    } else {
+        #[cfg(feature = "cuda")]
+        {
+            crate::kernels::cuda::memory_free(&opts.device).ok()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            None
+        }
+    };
+    let Some(free) = free else {
+        return Ok(());
+    };
+    if p.peak_bytes > free {
+        bail!(
+            "this run needs about {:.1} GB on {} (hidden states of {} calibration tokens {:.1} GB, \
+             layer cache {:.1} GB, solve {:.1} GB, forward {:.1} GB) and {:.1} GB are free: lower \
+             --nsamples (now {}) or --seqlen (now {}) (memory grows with their product), or \
+             --batch (now {}), or use a device with more memory",
+            p.peak_bytes as f64 / 1e9,
+            p.device,
+            p.tokens,
+            p.hidden_states_bytes as f64 / 1e9,
+            p.layer_cache_bytes as f64 / 1e9,
+            p.solve_bytes as f64 / 1e9,
+            p.forward_bytes as f64 / 1e9,
+            free as f64 / 1e9,
+            opts.nsamples,
+            opts.seqlen,
+            opts.batch
+        );
+    }
+    Ok(())
+}
+
+/// `MemAvailable` of /proc/meminfo, where there is one.
+fn host_available_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Testing aid: `SOAR_GPTQ_TEST_LAYER_DELAY_MS` pauses after every layer, so the tests can stop a
+/// run at a known point (signals, kills). Unset, it costs one environment lookup per layer.
+fn test_delay() {
+    if let Some(ms) = std::env::var("SOAR_GPTQ_TEST_LAYER_DELAY_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
 }
 
 /// A finished layer whose journal file is being written (and hashed) on a background thread
@@ -1054,6 +1147,7 @@ fn run_layers_inner(
             write: std::thread::spawn(move || journal::write_layer_file(&dir, i, &packed)),
         });
         pb.inc(1);
+        test_delay();
     }
     pb.finish_and_clear();
     Ok(())

@@ -293,3 +293,47 @@ fn resolve_online(repo: &str, rev: &str) -> Result<PathBuf> {
     }
     Ok(dir)
 }
+
+/// Checks the SHA-256 of every shard (`sums`: file name → hash, computed once by the caller)
+/// against what the files claim to be: in a hub cache a shard is a symlink to
+/// `blobs/<sha256>` (large files are stored under their SHA-256), and one of our outputs lists
+/// every hash in `manifest.json`. A truncated download or a corrupted blob is caught here,
+/// before a single layer runs, with the fix.
+pub fn verify_shards(dir: &Path, sums: &std::collections::BTreeMap<String, String>) -> Result<()> {
+    let manifest: Option<serde_json::Value> = std::fs::read_to_string(dir.join("manifest.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok());
+    for (name, sha) in sums {
+        let path = dir.join(name);
+        if let Ok(target) = std::fs::read_link(&path) {
+            let blob = target
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let is_sha = blob.len() == 64 && blob.bytes().all(|b| b.is_ascii_hexdigit());
+            if is_sha && !blob.eq_ignore_ascii_case(sha) {
+                let blob_path = path.parent().unwrap_or(dir).join(&target);
+                bail!(
+                    "{} in the Hugging Face cache is corrupted or incomplete: its SHA-256 is {sha}, \
+                     but the hub's is {blob} (the blob's name); delete {} and run again without \
+                     HF_HUB_OFFLINE to download it again",
+                    path.display(),
+                    blob_path.display()
+                );
+            }
+        }
+        if let Some(want) = manifest
+            .as_ref()
+            .and_then(|m| m["files"][name.as_str()]["sha256"].as_str())
+        {
+            if want != sha {
+                bail!(
+                    "{} does not match its manifest.json (SHA-256 {sha}, expected {want}): the \
+                     file was modified or damaged after it was written; re-create or re-download it",
+                    path.display()
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod engine;
 pub mod eval;
+pub mod fault;
 pub mod format;
 pub mod gguf;
 pub mod gptq;

@@ -534,3 +534,103 @@ fn a_corrupted_cache_blob_is_caught_before_the_first_layer() {
     assert!(stderr(&o).contains("delete"), "{}", stderr(&o));
     assert!(!out.exists() && !root.join("bad.partial").exists());
 }
+
+/// Kills a run (abort, as `kill -9` would) at every fault point in turn, then runs it again
+/// as a user would: with `--resume` where the message says so, else the same command. The
+/// output must equal an uninterrupted run's, byte for byte, and no leftovers may remain.
+#[test]
+fn a_run_killed_at_any_point_resumes_or_restarts_to_the_same_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let m = synth_tiny(root, "m", 10);
+    let base = |out: &Path| -> Vec<String> {
+        [
+            "quantize",
+            "--model",
+            m.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--nsamples",
+            "2",
+            "--seqlen",
+            "64",
+            "--device",
+            "cpu",
+            "--force",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let reference = root.join("reference");
+    assert_ok(&bin().args(base(&reference)).output().unwrap());
+    let want = std::fs::read(reference.join("manifest.json")).unwrap();
+    let out = root.join("q");
+    // An old output that a --force run replaces: it must survive every crash until the new one
+    // is in place. A copy of it is put back before each point.
+    let saved = root.join("old");
+    assert_ok(
+        &bin()
+            .args(base(&saved))
+            .args(["--method", "rtn"])
+            .output()
+            .unwrap(),
+    );
+    let old = std::fs::read(saved.join("manifest.json")).unwrap();
+    let put_back_old = || {
+        let _ = std::fs::remove_dir_all(&out);
+        std::fs::create_dir(&out).unwrap();
+        for e in std::fs::read_dir(&saved).unwrap() {
+            let p = e.unwrap().path();
+            std::fs::copy(&p, out.join(p.file_name().unwrap())).unwrap();
+        }
+    };
+    put_back_old();
+    let mut points = 0;
+    for n in 1.. {
+        let o = bin()
+            .args(base(&out))
+            .env("SOAR_GPTQ_FAULT_AT", n.to_string())
+            .output()
+            .unwrap();
+        if o.status.success() {
+            // Past the last fault point: the sweep is complete.
+            break;
+        }
+        assert_eq!(
+            o.status.code(),
+            None,
+            "point {n}: not an abort: {}",
+            stderr(&o)
+        );
+        points += 1;
+        // Until the new output is in place, the old one is intact (or set aside, and put back
+        // by the next run).
+        if out.join("manifest.json").is_file() {
+            let now = std::fs::read(out.join("manifest.json")).unwrap();
+            assert!(
+                now == old || now == want,
+                "point {n}: --out holds neither output"
+            );
+        }
+        let mut again = base(&out);
+        if root.join("q.partial/journal/journal.json").is_file() {
+            again.push("--resume".into());
+        }
+        let o = bin().args(&again).output().unwrap();
+        assert_ok(&o);
+        assert_eq!(
+            std::fs::read(out.join("manifest.json")).unwrap(),
+            want,
+            "point {n}: the recovered output differs from an uninterrupted run"
+        );
+        for leftover in ["q.partial", "q.replaced", "q.lock", "q/journal"] {
+            assert!(
+                !root.join(leftover).exists(),
+                "point {n}: {leftover} left behind"
+            );
+        }
+        put_back_old();
+    }
+    assert!(points > 20, "only {points} fault points were reached");
+}

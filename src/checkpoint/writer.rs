@@ -89,7 +89,8 @@ pub fn write_sharded(
         let mut w = BufWriter::with_capacity(8 << 20, f);
         w.write_all(&header_bytes(group))
             .with_context(|| format!("cannot write {}", path.display()))?;
-        for spec in group {
+        crate::fault::point("a shard's header written");
+        for (ti, spec) in group.iter().enumerate() {
             let mut cw = CountingWriter {
                 inner: &mut w,
                 written: 0,
@@ -106,6 +107,9 @@ pub fn write_sharded(
             }
             weight_map.insert(spec.name.clone(), file.clone());
             total += spec.nbytes();
+            if ti == group.len() / 2 {
+                crate::fault::point("half a shard written");
+            }
         }
         w.into_inner()
             .map_err(|e| e.into_error())
@@ -144,6 +148,7 @@ fn header_bytes(group: &[&TensorSpec]) -> Vec<u8> {
 }
 
 pub fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    crate::fault::point("before writing a file");
     std::fs::write(path, bytes)
         .with_context(|| format!("cannot write {} (disk full?)", path.display()))
 }
@@ -152,6 +157,7 @@ pub fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
 /// a re-written tokenizer.json served garbage under another transformers version).
 pub fn copy_files(src: &Path, dst: &Path, names: &[String]) -> Result<()> {
     for name in names {
+        crate::fault::point("before copying a side file");
         let from = src.join(name);
         std::fs::copy(&from, dst.join(name))
             .with_context(|| format!("cannot copy {} into {}", from.display(), dst.display()))?;
@@ -233,6 +239,26 @@ fn replaced_path(out: &Path) -> PathBuf {
     PathBuf::from(s)
 }
 
+/// A commit stopped between its two renames leaves the old output in `<out>.replaced` and no
+/// `<out>`: put the old output back, so it is never hidden from the user.
+fn restore_interrupted_commit(out: &Path) -> Result<()> {
+    let replaced = replaced_path(out);
+    if out.symlink_metadata().is_err() && replaced.symlink_metadata().is_ok() {
+        std::fs::rename(&replaced, out).with_context(|| {
+            format!(
+                "an earlier run stopped while replacing {}; cannot move {} back",
+                out.display(),
+                replaced.display()
+            )
+        })?;
+        eprintln!(
+            "note: an earlier run stopped while replacing {}; the previous output was put back",
+            out.display()
+        );
+    }
+    Ok(())
+}
+
 /// Refuses to replace `out` unless `force` is given and `out` is a folder that holds a model (or
 /// nothing): `--force` on a folder of other files would delete them.
 fn check_replaceable(out: &Path, force: bool) -> Result<()> {
@@ -272,6 +298,7 @@ impl OutputDir {
         let partial = partial_path(out);
         guard::check_output("--out", out, &[partial.clone(), replaced_path(out)], inputs)?;
         let lock = guard::OutputLock::acquire("--out", out)?;
+        restore_interrupted_commit(out)?;
         check_replaceable(out, force)?;
         if partial.symlink_metadata().is_ok() {
             if partial.join(RESUMABLE_MARKER).is_file() && !force {
@@ -301,6 +328,7 @@ impl OutputDir {
         let partial = partial_path(out);
         guard::check_output("--out", out, &[partial.clone(), replaced_path(out)], inputs)?;
         let lock = guard::OutputLock::acquire("--out", out)?;
+        restore_interrupted_commit(out)?;
         check_replaceable(out, force)?;
         if !partial.is_dir() {
             bail!("nothing to resume: {} does not exist", partial.display());
@@ -341,6 +369,7 @@ impl OutputDir {
     /// Writes `manifest.json` and renames the partial folder into place. An old output is moved
     /// aside first and deleted only after the new one is in place; if the rename fails, the old
     /// output is put back.
+    /// Subfolders (quantize's journal) are not part of the manifest, which lists files only.
     pub fn commit(mut self) -> Result<PathBuf> {
         write_manifest(&self.partial, &self.copied)?;
         // Ctrl-C waits for the renames: the output is either the old one or the new one.
@@ -352,6 +381,7 @@ impl OutputDir {
                 remove_path(&replaced)
                     .with_context(|| format!("cannot remove {}", replaced.display()))?;
             }
+            crate::fault::point("before moving the old output aside");
             std::fs::rename(&self.out, &replaced).with_context(|| {
                 format!(
                     "cannot move the old {} aside to {}",
@@ -360,6 +390,7 @@ impl OutputDir {
                 )
             })?;
         }
+        crate::fault::point("before renaming the new output into place");
         if let Err(e) = std::fs::rename(&self.partial, &self.out) {
             if had_old {
                 let _ = std::fs::rename(&replaced, &self.out);
@@ -373,6 +404,7 @@ impl OutputDir {
             });
         }
         self.done = true;
+        crate::fault::point("after renaming the new output into place");
         if had_old {
             remove_path(&replaced).with_context(|| {
                 format!(

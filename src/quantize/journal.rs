@@ -118,6 +118,7 @@ impl Journal {
             .with_context(|| format!("cannot write {}", tmp.display()))?;
         f.write_all(serde_json::to_string_pretty(self)?.as_bytes())?;
         f.sync_all()?;
+        crate::fault::point("the journal's temporary file written");
         std::fs::rename(&tmp, dir.join(JOURNAL_FILE))
             .with_context(|| format!("cannot update the journal in {}", dir.display()))
     }

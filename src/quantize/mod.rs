@@ -602,7 +602,15 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     crate::source::verify_shards(&src.dir, &hashes.source_sha256)?;
 
     let jdir = out.path().join("journal");
-    let mut journal = if opts.resume {
+    let journal_exists = jdir.join("journal.json").is_file();
+    if opts.resume && !journal_exists {
+        // Stopped before the first layer was recorded (or while it was): nothing to replay.
+        eprintln!(
+            "note: {} holds no finished layer yet; --resume starts from the first layer",
+            out.path().display()
+        );
+    }
+    let mut journal = if opts.resume && journal_exists {
         let j = Journal::load(&jdir)?;
         j.check_layers(&jdir, cfg.num_hidden_layers())?;
         j.check_matches(&hashes)?;
@@ -737,7 +745,6 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         &out.path().join("README.md"),
         card::model_card(&report, verify.as_ref()).as_bytes(),
     )?;
-    std::fs::remove_dir_all(&jdir).with_context(|| format!("cannot remove {}", jdir.display()))?;
     report.seconds.insert(
         "layers".into(),
         journal.layers.iter().map(|l| l.seconds).sum(),
@@ -759,7 +766,12 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         &out.path().join("quantize_report.json"),
         serde_json::to_string_pretty(&report)?.as_bytes(),
     )?;
-    out.commit()?;
+    // The journal goes last: until the output is in place, a crash resumes from it.
+    let final_dir = out.commit()?;
+    crate::fault::point("the output is in place, its journal not yet removed");
+    let done_journal = final_dir.join("journal");
+    std::fs::remove_dir_all(&done_journal)
+        .with_context(|| format!("cannot remove {}", done_journal.display()))?;
     Ok(report)
 }
 
@@ -941,6 +953,7 @@ fn run_layers_inner(
         if opts.stop_after_layers.is_some_and(|n| i >= n) {
             bail!("stopped after {i} layer(s) as requested (--stop-after-layers)");
         }
+        crate::fault::point("a layer starts");
         let t_layer = Instant::now();
         let mut layer = model.load_layer(ck, i)?;
         stages.load += clock.lap()?;

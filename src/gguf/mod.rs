@@ -436,7 +436,19 @@ fn read_content(file: &mut std::fs::File, path: &std::path::Path) -> Result<Cont
     let file_len = file.metadata()?.len();
     let mut spans: Vec<(u64, u64, &str)> = vec![];
     for (name, info) in &content.tensor_infos {
-        let elems = info.shape.elem_count() as u64;
+        let elems = info
+            .shape
+            .dims()
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d as u64))
+            .filter(|&e| e <= file_len.saturating_mul(64))
+            .ok_or_else(|| {
+                anyhow!(
+                    "{shown}: tensor {name} has dimensions {:?}, more elements than the file \
+                     could hold: the header is damaged",
+                    info.shape.dims()
+                )
+            })?;
         let block = info.ggml_dtype.block_size() as u64;
         let size = elems / block.max(1) * info.ggml_dtype.type_size() as u64;
         ensure!(

@@ -109,6 +109,41 @@ fn usage_errors_exit_2() {
     assert_eq!(run(&["eval-ppl"]).status.code(), Some(2));
     assert_eq!(run(&["no-such-command"]).status.code(), Some(2));
     assert_eq!(run(&["--help"]).status.code(), Some(0));
+    // Bad option values of every command are usage errors too, found before anything is read
+    // (the model below does not exist: a usage error wins).
+    let m = ["--model", "no/such-model"];
+    for args in [
+        &["eval-ppl", m[0], m[1], "--seqlen", "0"][..],
+        &["eval-ppl", m[0], m[1], "--batch", "0"],
+        &["eval-ppl", m[0], m[1], "--max-windows", "0"],
+        &["eval-ppl", m[0], m[1], "--device", "gpu"],
+        &["quantize", m[0], m[1], "--out", "o", "--device", "cuda:x"],
+        &["quantize", m[0], m[1], "--out", "o", "--shard-size", "0"],
+        &["quantize", m[0], m[1], "--out", "o", "--engine", "tgi"],
+        &[
+            "synth",
+            "--preset",
+            "tiny",
+            "--out",
+            "o",
+            "--shard-size",
+            "0",
+        ],
+        &[
+            "import-gguf",
+            "--gguf",
+            "x.gguf",
+            "--out",
+            "o",
+            "--shard-size",
+            "-1",
+        ],
+        &["inspect", ".", "--engine", "sglang-old"],
+        &["inspect", ".", "--legacy-marlin"],
+    ] {
+        let o = run(args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+    }
 }
 
 #[test]

@@ -634,3 +634,71 @@ fn a_run_killed_at_any_point_resumes_or_restarts_to_the_same_bytes() {
     }
     assert!(points > 20, "only {points} fault points were reached");
 }
+
+/// A disk that fills up during the journal, the shards or the final files: one clear error
+/// naming the file, nothing at --out, finished layers kept for --resume, and the resumed output
+/// equal to an uninterrupted run's.
+#[test]
+fn a_full_disk_mid_run_is_one_clear_error_and_resumable() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let m = synth_tiny(root, "m", 11);
+    let args = |out: &Path| -> Vec<String> {
+        [
+            "quantize",
+            "--model",
+            m.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--nsamples",
+            "2",
+            "--seqlen",
+            "64",
+            "--device",
+            "cpu",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let reference = root.join("reference");
+    assert_ok(&bin().args(args(&reference)).output().unwrap());
+    let want = std::fs::read(reference.join("manifest.json")).unwrap();
+    let mut failures = 0;
+    for n in [1, 2, 4, 6, 9, 12, 15, 18, 22, 26, 30, 34, 40, 60] {
+        let out = root.join(format!("q{n}"));
+        let o = bin()
+            .args(args(&out))
+            .env("SOAR_GPTQ_FAULT_AT", n.to_string())
+            .env("SOAR_GPTQ_FAULT_KIND", "enospc")
+            .output()
+            .unwrap();
+        if o.status.success() {
+            continue;
+        }
+        failures += 1;
+        assert_fails(&o, 1, "No space left on device");
+        assert!(
+            stderr(&o).contains("disk full?"),
+            "write point {n}: {}",
+            stderr(&o)
+        );
+        assert!(
+            !out.exists(),
+            "write point {n}: something was left at --out"
+        );
+        let partial = root.join(format!("q{n}.partial"));
+        let mut again = args(&out);
+        if partial.join("journal/journal.json").is_file() {
+            assert!(stderr(&o).contains("--resume"), "{}", stderr(&o));
+            again.push("--resume".into());
+        }
+        assert_ok(&bin().args(&again).output().unwrap());
+        assert_eq!(
+            std::fs::read(out.join("manifest.json")).unwrap(),
+            want,
+            "write point {n}"
+        );
+    }
+    assert!(failures >= 8, "only {failures} write points failed");
+}

@@ -89,7 +89,8 @@ pub fn write_sharded(
         let mut w = BufWriter::with_capacity(8 << 20, f);
         w.write_all(&header_bytes(group))
             .with_context(|| format!("cannot write {}", path.display()))?;
-        crate::fault::point("a shard's header written");
+        crate::fault::write_point("a shard's header written")
+            .with_context(|| format!("cannot write {} (disk full?)", path.display()))?;
         for (ti, spec) in group.iter().enumerate() {
             let mut cw = CountingWriter {
                 inner: &mut w,
@@ -108,7 +109,8 @@ pub fn write_sharded(
             weight_map.insert(spec.name.clone(), file.clone());
             total += spec.nbytes();
             if ti == group.len() / 2 {
-                crate::fault::point("half a shard written");
+                crate::fault::write_point("half a shard written")
+                    .with_context(|| format!("cannot write {} (disk full?)", path.display()))?;
             }
         }
         w.into_inner()
@@ -148,8 +150,8 @@ fn header_bytes(group: &[&TensorSpec]) -> Vec<u8> {
 }
 
 pub fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
-    crate::fault::point("before writing a file");
-    std::fs::write(path, bytes)
+    crate::fault::write_point("before writing a file")
+        .and_then(|()| std::fs::write(path, bytes))
         .with_context(|| format!("cannot write {} (disk full?)", path.display()))
 }
 
@@ -157,10 +159,16 @@ pub fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
 /// a re-written tokenizer.json served garbage under another transformers version).
 pub fn copy_files(src: &Path, dst: &Path, names: &[String]) -> Result<()> {
     for name in names {
-        crate::fault::point("before copying a side file");
         let from = src.join(name);
-        std::fs::copy(&from, dst.join(name))
-            .with_context(|| format!("cannot copy {} into {}", from.display(), dst.display()))?;
+        crate::fault::write_point("before copying a side file")
+            .and_then(|()| std::fs::copy(&from, dst.join(name)))
+            .with_context(|| {
+                format!(
+                    "cannot copy {} into {} (disk full?)",
+                    from.display(),
+                    dst.display()
+                )
+            })?;
     }
     Ok(())
 }

@@ -51,7 +51,7 @@ pub struct ImportGgufArgs {
     #[arg(long)]
     pub force: bool,
     /// Largest output shard in bytes.
-    #[arg(long, default_value_t = DEFAULT_SHARD_BYTES)]
+    #[arg(long, default_value_t = DEFAULT_SHARD_BYTES, value_parser = parse_shard_size)]
     pub shard_size: u64,
     /// Print the report as one JSON document on stdout.
     #[arg(long)]
@@ -74,22 +74,22 @@ pub struct EvalPplArgs {
     #[arg(long, default_value = "default")]
     pub data: String,
     /// Window length in tokens.
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = 2048, value_parser = parse_positive)]
     pub seqlen: usize,
     /// Score at most this many windows.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_positive)]
     pub max_windows: Option<usize>,
     /// Start every window with the BOS token.
     #[arg(long)]
     pub bos: bool,
     /// auto, cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto")]
+    #[arg(long, default_value = "auto", value_parser = parse_device_spec)]
     pub device: String,
     /// Compute dtype (default: f32 on the CPU, bf16 on a GPU).
     #[arg(long, value_enum)]
     pub dtype: Option<ComputeDtype>,
     /// Windows per forward batch.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = parse_positive)]
     pub batch: usize,
     /// Print one JSON document on stdout instead of text.
     #[arg(long)]
@@ -140,7 +140,7 @@ pub struct QuantizeArgs {
     #[arg(long)]
     pub skip: Vec<String>,
     /// auto, cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto")]
+    #[arg(long, default_value = "auto", value_parser = parse_device_spec)]
     pub device: String,
     /// Compute dtype of the calibration forward (default: f32 on the CPU, bf16 on a GPU).
     #[arg(long, value_enum)]
@@ -173,7 +173,7 @@ pub struct QuantizeArgs {
     #[arg(long, default_value_t = 8, value_parser = parse_positive)]
     pub batch: usize,
     /// Largest output shard in bytes.
-    #[arg(long, default_value_t = DEFAULT_SHARD_BYTES)]
+    #[arg(long, default_value_t = DEFAULT_SHARD_BYTES, value_parser = parse_shard_size)]
     pub shard_size: u64,
     /// The serving engine the output is written for and checked against before the run and
     /// before it is committed (docs/engines.md); `none` applies no engine's rules and checks
@@ -267,6 +267,28 @@ fn parse_damp(s: &str) -> std::result::Result<f64, String> {
     }
 }
 
+fn parse_shard_size(s: &str) -> std::result::Result<u64, String> {
+    match s.parse::<u64>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("{s} is not a positive number of bytes")),
+    }
+}
+
+/// The syntax of `--device` (whether that GPU exists is checked when it is opened).
+fn parse_device_spec(s: &str) -> std::result::Result<String, String> {
+    let t = s.trim();
+    let ok = matches!(t, "auto" | "cpu" | "cuda")
+        || t.strip_prefix("cuda:")
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+    if ok {
+        Ok(t.to_string())
+    } else {
+        Err(format!(
+            "{s} is not a device: use auto, cpu, cuda or cuda:N"
+        ))
+    }
+}
+
 fn parse_positive(s: &str) -> std::result::Result<usize, String> {
     match s.parse::<usize>() {
         Ok(n) if n > 0 => Ok(n),
@@ -330,7 +352,7 @@ pub struct SynthArgs {
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// Largest shard size in bytes.
-    #[arg(long, default_value_t = DEFAULT_SHARD_BYTES)]
+    #[arg(long, default_value_t = DEFAULT_SHARD_BYTES, value_parser = parse_shard_size)]
     pub shard_size: u64,
     /// Replace --out if it exists.
     #[arg(long)]

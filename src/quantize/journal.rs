@@ -118,7 +118,8 @@ impl Journal {
             .with_context(|| format!("cannot write {}", tmp.display()))?;
         f.write_all(serde_json::to_string_pretty(self)?.as_bytes())?;
         f.sync_all()?;
-        crate::fault::point("the journal's temporary file written");
+        crate::fault::write_point("the journal's temporary file written")
+            .with_context(|| format!("cannot write {} (disk full?)", tmp.display()))?;
         std::fs::rename(&tmp, dir.join(JOURNAL_FILE))
             .with_context(|| format!("cannot update the journal in {}", dir.display()))
     }

@@ -655,119 +655,138 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         return Err(e);
     }
 
-    // Assemble the checkpoint from the journal.
-    let pb = crate::cli::progress::bar(1, "write");
-    let t_write = Instant::now();
-    let damp_max = journal
-        .layers
-        .iter()
-        .flat_map(|l| l.rows.iter().filter(|r| r.quantized).map(|r| r.damp))
-        .fold(0.0, f64::max);
-    let qc = quantization_config(
-        opts,
-        &settings,
-        &plan,
-        damp_max,
-        serde_json::to_value(&calib.usage)?,
-        &calib.sha256,
-    )?;
-    let (config, config_edits) = output_config(&src_config, &qc, opts.engine);
-    assemble(
-        &mut out, &src.dir, &ck, &specs, &journal, &jdir, opts, &config, &side,
-    )?;
-    // The engine check again, on the files as written.
-    let engine_check = match opts.engine {
-        Some(target) => {
-            let mut c = engine::check_dir(out.path(), target, false)?;
-            c.serve = c.serve_at(&opts.out.display().to_string());
-            if !c.loads {
-                bail!(
-                    "{}\nThe output was not committed (this is a bug in soar-gptq: the check \
-                     before the run passed; please report it)",
-                    c.error_text(&out.path().display().to_string())
-                );
-            }
-            Some(c)
-        }
-        None => None,
+    // Every layer is in the journal from here on: whatever fails while the output is written
+    // (a full disk, say), the partial folder is kept and --resume writes it.
+    out.keep_on_failure(true);
+    let kept = |e: anyhow::Error, dir: &Path| {
+        e.context(format!(
+            "all {} layers are finished and kept in {}: rerun the same command with --resume to \
+             write the output",
+            cfg.num_hidden_layers(),
+            dir.display()
+        ))
     };
-    pb.finish_and_clear();
-    let verify = if opts.verify {
-        let popts = crate::eval::PplOptions {
-            seqlen: opts.seqlen.min(512),
-            max_windows: Some(16),
-            bos: false,
-            dtype: opts.dtype,
-            device: opts.device.clone(),
-            batch: opts.batch,
-        };
-        let mut c = crate::eval::compare(
-            &src.dir,
-            &[out.path().to_path_buf()],
-            crate::eval::DEFAULT_EVAL_TEXT,
-            &popts,
+    let finish = (|| -> Result<QuantizeReport> {
+        // Assemble the checkpoint from the journal.
+        let pb = crate::cli::progress::bar(1, "write");
+        let t_write = Instant::now();
+        let damp_max = journal
+            .layers
+            .iter()
+            .flat_map(|l| l.rows.iter().filter(|r| r.quantized).map(|r| r.damp))
+            .fold(0.0, f64::max);
+        let qc = quantization_config(
+            opts,
+            &settings,
+            &plan,
+            damp_max,
+            serde_json::to_value(&calib.usage)?,
+            &calib.sha256,
         )?;
-        c.reference_model = src.description.clone();
-        c.compared[0].model = opts.out.display().to_string();
-        eprintln!(
-            "verify: ppl {:.4} (source) → {:.4} (quantized), mean KL {:.5}, top-1 agreement {:.2}%",
-            c.reference.ppl,
-            c.compared[0].ppl,
-            c.compared[0].mean_kl,
-            100.0 * c.compared[0].top1_agreement
+        let (config, config_edits) = output_config(&src_config, &qc, opts.engine);
+        assemble(
+            &mut out, &src.dir, &ck, &specs, &journal, &jdir, opts, &config, &side,
+        )?;
+        // The engine check again, on the files as written.
+        let engine_check = match opts.engine {
+            Some(target) => {
+                let mut c = engine::check_dir(out.path(), target, false)?;
+                c.serve = c.serve_at(&opts.out.display().to_string());
+                if !c.loads {
+                    bail!(
+                        "{}\nThe output was not committed (this is a bug in soar-gptq: the check \
+                         before the run passed; please report it)",
+                        c.error_text(&out.path().display().to_string())
+                    );
+                }
+                Some(c)
+            }
+            None => None,
+        };
+        pb.finish_and_clear();
+        let verify = if opts.verify {
+            let popts = crate::eval::PplOptions {
+                seqlen: opts.seqlen.min(512),
+                max_windows: Some(16),
+                bos: false,
+                dtype: opts.dtype,
+                device: opts.device.clone(),
+                batch: opts.batch,
+            };
+            let mut c = crate::eval::compare(
+                &src.dir,
+                &[out.path().to_path_buf()],
+                crate::eval::DEFAULT_EVAL_TEXT,
+                &popts,
+            )?;
+            c.reference_model = src.description.clone();
+            c.compared[0].model = opts.out.display().to_string();
+            eprintln!(
+                "verify: ppl {:.4} (source) → {:.4} (quantized), mean KL {:.5}, top-1 agreement {:.2}%",
+                c.reference.ppl,
+                c.compared[0].ppl,
+                c.compared[0].mean_kl,
+                100.0 * c.compared[0].top1_agreement
+            );
+            Some(c)
+        } else {
+            None
+        };
+        let mut report = QuantizeReport {
+            tool: format!("soar-gptq {}", env!("CARGO_PKG_VERSION")),
+            model: src.description.clone(),
+            settings,
+            calibration: calib.usage.clone(),
+            calibration_sha256: calib.sha256.clone(),
+            hashes,
+            modules: journal.layers.iter().flat_map(|l| l.rows.clone()).collect(),
+            seconds: BTreeMap::new(),
+            total_seconds: 0.0,
+            peak_rss_bytes: None,
+            verify: verify.as_ref().map(serde_json::to_value).transpose()?,
+            output: opts.out.display().to_string(),
+            engine: opts.engine.map_or("none", Engine::name).to_string(),
+            config_edits,
+            copied_from_source: side.clone(),
+            engine_check,
+            stages: None,
+            preflight: None,
+            gpu_memory: None,
+        };
+        writer::write_file(
+            &out.path().join("README.md"),
+            card::model_card(&report, verify.as_ref()).as_bytes(),
+        )?;
+        report.seconds.insert(
+            "layers".into(),
+            journal.layers.iter().map(|l| l.seconds).sum(),
         );
-        Some(c)
-    } else {
-        None
+        report
+            .seconds
+            .insert("write".into(), t_write.elapsed().as_secs_f64());
+        report.stages = Some(stages);
+        report.preflight = Some(preflight);
+        report.gpu_memory =
+            stages::gpu_memory(&opts.device)?.map(|(used, reserved, now)| report::GpuMemory {
+                pool_peak_used_bytes: used,
+                pool_peak_reserved_bytes: reserved,
+                in_use_at_end_bytes: now,
+            });
+        report.total_seconds = t0.elapsed().as_secs_f64();
+        report.peak_rss_bytes = peak_rss_bytes();
+        writer::write_file(
+            &out.path().join("quantize_report.json"),
+            serde_json::to_string_pretty(&report)?.as_bytes(),
+        )?;
+        Ok(report)
+    })();
+    let report = match finish {
+        Ok(r) => r,
+        Err(e) => return Err(kept(e, out.path())),
     };
-    let mut report = QuantizeReport {
-        tool: format!("soar-gptq {}", env!("CARGO_PKG_VERSION")),
-        model: src.description.clone(),
-        settings,
-        calibration: calib.usage.clone(),
-        calibration_sha256: calib.sha256.clone(),
-        hashes,
-        modules: journal.layers.iter().flat_map(|l| l.rows.clone()).collect(),
-        seconds: BTreeMap::new(),
-        total_seconds: 0.0,
-        peak_rss_bytes: None,
-        verify: verify.as_ref().map(serde_json::to_value).transpose()?,
-        output: opts.out.display().to_string(),
-        engine: opts.engine.map_or("none", Engine::name).to_string(),
-        config_edits,
-        copied_from_source: side.clone(),
-        engine_check,
-        stages: None,
-        preflight: None,
-        gpu_memory: None,
-    };
-    writer::write_file(
-        &out.path().join("README.md"),
-        card::model_card(&report, verify.as_ref()).as_bytes(),
-    )?;
-    report.seconds.insert(
-        "layers".into(),
-        journal.layers.iter().map(|l| l.seconds).sum(),
-    );
-    report
-        .seconds
-        .insert("write".into(), t_write.elapsed().as_secs_f64());
-    report.stages = Some(stages);
-    report.preflight = Some(preflight);
-    report.gpu_memory =
-        stages::gpu_memory(&opts.device)?.map(|(used, reserved, now)| report::GpuMemory {
-            pool_peak_used_bytes: used,
-            pool_peak_reserved_bytes: reserved,
-            in_use_at_end_bytes: now,
-        });
-    report.total_seconds = t0.elapsed().as_secs_f64();
-    report.peak_rss_bytes = peak_rss_bytes();
-    writer::write_file(
-        &out.path().join("quantize_report.json"),
-        serde_json::to_string_pretty(&report)?.as_bytes(),
-    )?;
     // The journal goes last: until the output is in place, a crash resumes from it.
-    let final_dir = out.commit()?;
+    let partial_dir = out.path().to_path_buf();
+    let final_dir = out.commit().map_err(|e| kept(e, &partial_dir))?;
     crate::fault::point("the output is in place, its journal not yet removed");
     let done_journal = final_dir.join("journal");
     std::fs::remove_dir_all(&done_journal)

@@ -48,3 +48,11 @@ pub fn write_point(what: &str) -> std::io::Result<()> {
     }
     Ok(())
 }
+
+/// Testing aid: pauses for the milliseconds the environment variable `var` names (unset: no
+/// pause), so the tests can signal a run at a known point.
+pub fn delay(var: &str) {
+    if let Some(ms) = std::env::var(var).ok().and_then(|v| v.parse::<u64>().ok()) {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+}

@@ -249,6 +249,7 @@ pub fn pack_marlin_checkpoint(
     }
 
     let mut od = OutputDir::create(out, force, &model_inputs("--in", input))?;
+    crate::fault::delay("SOAR_GPTQ_TEST_PACK_DELAY_MS");
     let mut owner: HashMap<&str, &QuantModule> = HashMap::new();
     for m in &modules {
         for t in &m.tensors {

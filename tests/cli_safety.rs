@@ -702,3 +702,55 @@ fn a_full_disk_mid_run_is_one_clear_error_and_resumable() {
     }
     assert!(failures >= 8, "only {failures} write points failed");
 }
+
+#[test]
+fn ctrl_c_during_eval_ppl_and_pack_marlin_exits_130() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let m = synth_tiny(root, "m", 12);
+    // eval-ppl over every window of the evaluation text: long enough to be interrupted.
+    let child = bin()
+        .args([
+            "eval-ppl",
+            "--model",
+            m.to_str().unwrap(),
+            "--seqlen",
+            "64",
+            "--batch",
+            "1",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    let o = signal_when(child, "-INT", || t0.elapsed().as_millis() > 800);
+    assert_eq!(o.status.code(), Some(130), "{}", stderr(&o));
+    assert!(stderr(&o).contains("interrupted (SIGINT): nothing was written"));
+    // pack-marlin: its partial folder and lock go with it.
+    let q = root.join("q");
+    assert_ok(&quantize_in(
+        root,
+        m.to_str().unwrap(),
+        q.to_str().unwrap(),
+        &[],
+    ));
+    let out = root.join("marlin");
+    let partial = root.join("marlin.partial");
+    let child = bin()
+        .args([
+            "pack-marlin",
+            "--in",
+            q.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .env("SOAR_GPTQ_TEST_PACK_DELAY_MS", "3000")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let o = signal_when(child, "-TERM", || partial.is_dir());
+    assert_eq!(o.status.code(), Some(143), "{}", stderr(&o));
+    assert!(!partial.exists() && !out.exists() && !root.join("marlin.lock").exists());
+}

@@ -842,17 +842,6 @@ fn host_available_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
-/// Testing aid: `SOAR_GPTQ_TEST_LAYER_DELAY_MS` pauses after every layer, so the tests can stop a
-/// run at a known point (signals, kills). Unset, it costs one environment lookup per layer.
-fn test_delay() {
-    if let Some(ms) = std::env::var("SOAR_GPTQ_TEST_LAYER_DELAY_MS")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-    {
-        std::thread::sleep(std::time::Duration::from_millis(ms));
-    }
-}
-
 /// A finished layer whose journal file is being written (and hashed) on a background thread
 /// while the next layer computes.
 struct PendingLayer {
@@ -1179,7 +1168,7 @@ fn run_layers_inner(
             write: std::thread::spawn(move || journal::write_layer_file(&dir, i, &packed)),
         });
         pb.inc(1);
-        test_delay();
+        crate::fault::delay("SOAR_GPTQ_TEST_LAYER_DELAY_MS");
     }
     pb.finish_and_clear();
     Ok(())

@@ -1,6 +1,7 @@
-//! With the `cuda` feature, compiles `src/kernels/gptq.cu` to PTX with nvcc (the toolchain of
-//! `../shared/cuda/README.md`, or any CUDA 12/13 nvcc on PATH or under CUDA_HOME). The default
-//! build needs no CUDA at all and does nothing here.
+//! With the `cuda` feature, compiles `src/kernels/gptq.cu` to PTX with nvcc: a CUDA 12/13
+//! toolchain (nvcc) on PATH or under CUDA_HOME, for the compute capability in CUDA_COMPUTE_CAP
+//! (default 90), so no GPU is needed at build time (docs/gpu.md). The default build needs no CUDA
+//! at all and does nothing here.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -28,7 +29,7 @@ fn main() {
         .status()
         .unwrap_or_else(|e| {
             panic!(
-                "the cuda feature needs nvcc ({}): {e}; source ../shared/cuda/toolchain.sh or set CUDA_HOME",
+                "the cuda feature needs nvcc ({}): {e}; put a CUDA 12/13 nvcc on PATH or set CUDA_HOME",
                 nvcc.display()
             )
         });

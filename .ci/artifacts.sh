@@ -60,7 +60,7 @@ if rows["gptq"]["ppl"] != rows["marlin"]["ppl"]:
 if sys.argv[2] == "examples/tiny-sala":
     g, r = rows["gptq"], rows["rtn"]
     print(f"GPTQ/RTN: ppl increase {g['delta_ppl'] / r['delta_ppl']:.3f}, mean KL {g['mean_kl'] / r['mean_kl']:.3f}")
-    # The gate of tests/quality_gate.rs (see there why not the 70% of issue E).
+    # The gate of tests/quality_gate.rs (see there why not a 70% perplexity-increase target).
     if not (0 < r["delta_ppl"] and g["delta_ppl"] < r["delta_ppl"] and g["mean_kl"] <= 0.85 * r["mean_kl"]):
         sys.exit("FAIL: quality gate: GPTQ does not beat RTN (ppl increase below RTN's, mean KL at most 85% of RTN's)")
     print("quality gate: ok (GPTQ's ppl increase below RTN's, mean KL ≤ 85% of RTN's)")

@@ -5,8 +5,8 @@
 //!
 //! | tensor | dtype | shape | content |
 //! |---|---|---|---|
-//! | `{p}.B` | I32 | `[K/16, 2N]` | codes in Marlin tiles (`gptq-and-marlin.md` C.3) |
-//! | `{p}.s` | F16 | `[G, N]` | GPTQ scales in the Marlin scale permutation (C.4) |
+//! | `{p}.B` | I32 | `[K/16, 2N]` | codes in Marlin tiles (docs/formats.md, Marlin tile layout) |
+//! | `{p}.s` | F16 | `[G, N]` | GPTQ scales in the Marlin scale permutation (docs/formats.md) |
 //! | `{p}.g_idx_sort_indices` | I32 | `[K]` | only when `desc_act` is true (extension below) |
 //!
 //! Every other tensor is copied unchanged (name, dtype, bytes); `config.json`'s

@@ -1,4 +1,6 @@
-//! synth, inspect and eval-ppl run as a user runs them, and every bad input of issue A.
+//! synth, inspect and eval-ppl run as a user runs them, and their bad inputs failing cleanly:
+//! usage errors, existing outputs, damaged or inconsistent checkpoints and configs, inputs eval-ppl
+//! cannot score, and hub repo ids resolved from an offline cache.
 
 mod common;
 use common::*;

@@ -1,4 +1,4 @@
-//! `quantize` run as a user runs it (issue D): the GPTQ checkpoint it writes, determinism,
+//! `quantize` run as a user runs it: the GPTQ checkpoint it writes, determinism,
 //! resume, its options, and every bad input failing cleanly without leaving an output behind.
 
 mod common;

@@ -1,5 +1,5 @@
-//! GPU kernels against their CPU twins (design decision 8). Built only with `--features cuda`;
-//! run on a machine with a GPU. Without one every test fails, unless
+//! GPU kernels against their CPU twins (docs/decisions.md, Device-generic code). Built only with
+//! `--features cuda`; run on a machine with a GPU. Without one every test fails, unless
 //! `SOAR_GPTQ_SKIP_GPU_TESTS=1` says to skip them (a CUDA build checked on a GPU-less machine).
 
 #![cfg(feature = "cuda")]

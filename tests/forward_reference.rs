@@ -1,5 +1,5 @@
 //! The candle forward against a naive f64 implementation written straight from
-//! minicpm-sala.md section 3 (per-token loops, recurrent Simple-GLA, explicit softmax).
+//! docs/model.md, Forward pass (per-token loops, recurrent Simple-GLA, explicit softmax).
 
 use candle_core::{DType, Device, Tensor};
 use soar_gptq::checkpoint::Checkpoint;

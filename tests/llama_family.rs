@@ -1,4 +1,4 @@
-//! The dense decoder families (issue G): the candle forward of Llama, Mistral, Qwen2 and
+//! The dense decoder families (docs/llama.md): the candle forward of Llama, Mistral, Qwen2 and
 //! MiniCPM against a naive f64 implementation written from the Transformers modeling files'
 //! math; MiniCPM against the MiniCPM-SALA forward on the same weights; and synth, inspect,
 //! quantize, pack-marlin and eval-ppl run as a user runs them on small random models.

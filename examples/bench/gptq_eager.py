@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Eager PyTorch GPTQ solver: the baseline of the GPU benchmark in docs/benchmarks.md.
 
-Written from the project's spec (shared docs, gptq-and-marlin.md, part A, sections A.3-A.6), not
-copied from any tool. It solves one Linear at a time, the way the reference tools' `fasterquant`
-does: column by column in float32 on the device, in blocks with lazy updates.
+Written from docs/algorithm.md (Preprocessing of H, The quantizer, The column loop,
+Post-processing), not copied from any tool. It solves one Linear at a time, the way the reference
+tools' `fasterquant` does: column by column in float32 on the device, in blocks with lazy updates.
 
     python3 examples/bench/gptq_eager.py DIR [--device cuda] [--warmup 1] [--repeat 5] [--json]
 
@@ -30,7 +30,7 @@ REQUIRED = ("bits", "group_size", "act_order", "sym", "damp", "block_size")
 
 
 def find_params(x, maxq, sym):
-    """Per-row scale and zero over the columns of x [N, cols] (spec A.4)."""
+    """Per-row scale and zero over the columns of x [N, cols] (docs/algorithm.md, The quantizer)."""
     zero_row = torch.zeros(x.shape[0], device=x.device, dtype=x.dtype)
     xmin = torch.minimum(x.min(dim=1).values, zero_row)
     xmax = torch.maximum(x.max(dim=1).values, zero_row)
@@ -78,15 +78,16 @@ def solve(w, h, bits, group_size, act_order, sym, damp, block_size):
     n, k = w.shape
     maxq = 2**bits - 1
     g = k if group_size <= 0 else group_size
-    # One group: parameters from the whole matrix, before dead columns are zeroed (A.3 step 2).
+    # One group: parameters from the whole matrix, before dead columns are zeroed
+    # (docs/algorithm.md, Post-processing).
     whole = find_params(w, maxq, sym) if group_size <= 0 else None
 
-    dead = torch.diag(h) == 0  # A.3 step 3
+    dead = torch.diag(h) == 0  # dead columns (docs/algorithm.md, Preprocessing of H)
     h[dead, dead] = 1
     w[:, dead] = 0
 
     static = None
-    if act_order == "static" and whole is None:  # A.3 step 4: original groups, before permuting
+    if act_order == "static" and whole is None:  # original groups, before permuting
         static = [find_params(w[:, t : t + g], maxq, sym) for t in range(0, k, g)]
 
     if act_order == "off":
@@ -98,13 +99,13 @@ def solve(w, h, bits, group_size, act_order, sym, damp, block_size):
     invperm = torch.argsort(perm)
     static_row = (perm // g).tolist() if static is not None else None
 
-    u, damp_used = inverse_cholesky_upper(h, damp)  # A.3 steps 6-7
+    u, damp_used = inverse_cholesky_upper(h, damp)  # damping, factor (Preprocessing of H)
     del h
 
     q_all = torch.zeros_like(w)
     losses = torch.zeros_like(w)
     scale, zero = whole if whole is not None else (None, None)
-    for i1 in range(0, k, block_size):  # A.5
+    for i1 in range(0, k, block_size):  # docs/algorithm.md, The column loop
         i2 = min(i1 + block_size, k)
         count = i2 - i1
         w1 = w[:, i1:i2].clone()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/benchmarks.md, in one script for the H200 machine.
 #
-# Build here (no GPU needed), with ../shared/cuda/toolchain.sh sourced:
+# Build here (no GPU needed), with a CUDA 12/13 toolchain (nvcc) on PATH or under CUDA_HOME and
+# CUDA_COMPUTE_CAP=90 (docs/gpu.md says how the project's build machines get one):
 #   CARGO_TARGET_DIR=target-cuda cargo build --release --features cuda --examples
 #   CARGO_TARGET_DIR=target-cuda cargo test --release --features cuda --no-run
 # then put xz-compressed copies into .gpu/ (git-ignored):

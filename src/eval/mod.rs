@@ -1,7 +1,8 @@
-//! Perplexity with one documented protocol (design.md decision 10): tokenize the whole text once
-//! without special tokens, cut non-overlapping windows of `seqlen` tokens, drop the tail, score
-//! every next-token prediction inside each window, ppl = exp(mean NLL). With `bos`, each window
-//! is BOS followed by the next seqlen−1 text tokens and every text token in it is scored.
+//! Perplexity with one documented protocol (docs/algorithm.md, Perplexity protocol): tokenize the
+//! whole text once without special tokens, cut non-overlapping windows of `seqlen` tokens, drop the
+//! tail, score every next-token prediction inside each window, ppl = exp(mean NLL). With `bos`,
+//! each window is BOS followed by the next seqlen−1 text tokens and every text token in it is
+//! scored.
 //!
 //! The model runs layer by layer over all windows (one decoder layer's weights in memory at a
 //! time), then the head runs window by window, so logits are never stored for more than one

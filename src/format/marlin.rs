@@ -1,4 +1,5 @@
-//! Marlin INT4 (`uint4b8`, value `(q − 8)·s`) layout (spec `gptq-and-marlin.md` C.3, C.4): the
+//! Marlin INT4 (`uint4b8`, value `(q − 8)·s`) layout (docs/formats.md, Marlin tile layout and
+//! Marlin scale permutation): the
 //! weight tiles `B [K/16, 2N]`, the scale permutations and the act-order row sort.
 //!
 //! Codes are the GPTQ codes re-tiled, so a Marlin tensor holds exactly a symmetric 4-bit GPTQ
@@ -100,7 +101,8 @@ const fn build_scale_perm_single() -> [usize; 32] {
 }
 
 /// Where nibble `nibble` of word `word` of a `B` row comes from: (row within the 16-row tile,
-/// column of the code matrix). The kernel's lane/warp decomposition of C.3.
+/// column of the code matrix). The kernel's lane/warp decomposition (docs/formats.md, Marlin tile
+/// layout).
 fn marlin_nibble_source(word: usize, nibble: usize) -> (usize, usize) {
     let tile = word / WORDS_PER_TILE;
     let word_in_tile = word % WORDS_PER_TILE;

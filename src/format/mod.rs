@@ -1,9 +1,10 @@
 //! On-disk formats: GPTQ bit packing, the Marlin tile layout, and quantized checkpoints.
 //!
 //! Pure, bit-exact transforms between dense code matrices and the words checkpoints store live in
-//! [`pack`] (GPTQ `qweight`/`qzeros`, spec `gptq-and-marlin.md` B) and [`marlin`] (Marlin `B`
-//! tiles and scale permutations, spec C); they do no I/O. Codes are always `[K, N]` row-major
-//! (`K` = in_features, `N` = out_features), the transposed layout both GPTQ and Marlin pack.
+//! [`pack`] (GPTQ `qweight`/`qzeros`, docs/formats.md, GPTQ) and [`marlin`] (Marlin `B` tiles and
+//! scale permutations, docs/formats.md, Marlin); they do no I/O. Codes are always `[K, N]`
+//! row-major (`K` = in_features, `N` = out_features), the transposed layout both GPTQ and Marlin
+//! pack.
 //!
 //! On top of them, for whole checkpoints (ours or anyone's, any architecture; quantized modules
 //! are found by their tensors):

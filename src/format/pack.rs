@@ -1,4 +1,4 @@
-//! GPTQ bit packing (spec `gptq-and-marlin.md` B.1, B.2): `qweight` packed along K, `qzeros` packed
+//! GPTQ bit packing (docs/formats.md, GPTQ): `qweight` packed along K, `qzeros` packed
 //! along N, both LSB-first in 32-bit words stored as the int32 bit pattern, plus the reference
 //! dequantization and the byte conversions safetensors needs.
 //!

@@ -1,7 +1,7 @@
-//! Hessian accumulation (spec A.2): the raw sum `Σ x xᵀ` of a Linear's inputs in f32, plus the
-//! number of tokens it covers. The GPTQ Hessian is `H = (2/n)·Σ x xᵀ`; only the raw sum and `n` are
-//! stored, so partial accumulators (per device, per calibration shard, or saved to disk for
-//! `--save-hessians`/`--resume`) add up exactly.
+//! Hessian accumulation (docs/algorithm.md, Hessian accumulation): the raw sum `Σ x xᵀ` of a
+//! Linear's inputs in f32, plus the number of tokens it covers. The GPTQ Hessian is
+//! `H = (2/n)·Σ x xᵀ`; only the raw sum and `n` are stored, so partial accumulators (per device,
+//! per calibration shard, or saved to disk for `--save-hessians`/`--resume`) add up exactly.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -99,7 +99,7 @@ impl HessianAccumulator {
         let x = x.to_device(self.xtx.device())?;
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() && matches!(x.dtype(), DType::BF16 | DType::F16) {
-            // Tensor cores with f32 accumulation (design decision 6).
+            // Tensor cores with f32 accumulation (docs/decisions.md, Precision).
             self.xtx = crate::kernels::cuda::xtx_add(&self.xtx, &x)?;
             self.tokens += rows as u64;
             return Ok(());
@@ -107,7 +107,8 @@ impl HessianAccumulator {
         let mut start = 0;
         while start < rows {
             let len = CHUNK_ROWS.min(rows - start);
-            // Cast before the product: bf16/f16 products would lose the precision A.2 asks for.
+            // Cast before the product: bf16/f16 products would lose the f32 precision the
+            // Hessian needs (docs/algorithm.md, Hessian accumulation).
             let chunk = x.narrow(0, start, len)?.to_dtype(DType::F32)?;
             self.xtx = (&self.xtx + chunk.t()?.matmul(&chunk)?)?;
             start += len;

@@ -1,6 +1,6 @@
 //! The GPTQ solver: turns a Linear's weights `W [N, K]` and the Hessian of its inputs into 2–8-bit
 //! codes, per-group scales/zeros and `g_idx`, following the reference tools exactly (see
-//! `docs/gptq-and-marlin.md` part A).
+//! `docs/algorithm.md`).
 //!
 //! * [`HessianAccumulator`] sums `XᵀX` of a Linear's inputs in f32 on any candle device, merges
 //!   partial sums and saves/loads them.

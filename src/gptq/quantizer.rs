@@ -1,6 +1,7 @@
-//! The uniform quantizer GPTQ uses (spec A.4): per output row, over one group of columns, a min/max
-//! range that always contains 0, optionally shrunk by an MSE grid search. Everything is f32 and rounds
-//! half to even, like `torch.round`, so codes match the Python tools bit for bit.
+//! The uniform quantizer GPTQ uses (docs/algorithm.md, The quantizer): per output row, over one
+//! group of columns, a min/max range that always contains 0, optionally shrunk by an MSE grid
+//! search. Everything is f32 and rounds half to even, like `torch.round`, so codes match the Python
+//! tools bit for bit.
 
 use std::ops::Range;
 
@@ -22,7 +23,8 @@ pub struct QuantParams {
     pub group_size: i64,
     /// Symmetric: zero fixed at (maxq+1)/2 and the range centred on 0.
     pub sym: bool,
-    /// Shrink the min/max range by the grid search of A.4 (unweighted by H).
+    /// Shrink the min/max range by the MSE grid search (docs/algorithm.md, The quantizer;
+    /// unweighted by H).
     pub mse: bool,
 }
 
@@ -84,7 +86,8 @@ impl QuantParams {
             .unzip()
     }
 
-    /// Scale and zero of one row over one group of values `x` (A.4, incl. the sym quirks).
+    /// Scale and zero of one row over one group of values `x` (docs/algorithm.md, The quantizer,
+    /// incl. the sym quirks).
     pub fn find_row_params(&self, x: &[f32]) -> (f32, f32) {
         let maxq = self.maxq();
         let mut xmin = x.iter().copied().fold(0.0f32, f32::min);

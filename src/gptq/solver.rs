@@ -1,4 +1,5 @@
-//! The GPTQ solver (spec A.3, A.5, A.6) and its round-to-nearest baseline.
+//! The GPTQ solver (docs/algorithm.md: Preprocessing of H, The column loop, Post-processing) and
+//! its round-to-nearest baseline.
 //!
 //! Names follow IST-DASLab's `gptq.py`: `H` the Hessian, `U` the upper Cholesky factor of `H⁻¹`
 //! (`Hinv` there), `W` the weights being updated, `Q` their quantized values, `Err1` the scaled
@@ -22,7 +23,7 @@ use rayon::prelude::*;
 
 use super::quantizer::{dequantize_code, quantize_code, QuantParams};
 
-/// Column order of the solve (design decision 2).
+/// Column order of the solve (docs/decisions.md, Static act-order by default).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ActOrder {
     /// Descending diag(H) order, group parameters fixed per original group before the loop
@@ -95,8 +96,8 @@ pub struct QuantizedLinear {
     pub zeros: Vec<u8>,
     /// `[K]`: the scale/zero row of each input column.
     pub g_idx: Vec<i32>,
-    /// Σ (w − q)² / d² / 2 over all weights (A.5; GPTQModel reports this divided by the sample count).
-    /// For RTN, d = 1.
+    /// Σ (w − q)² / d² / 2 over all weights (docs/algorithm.md, The column loop; GPTQModel reports
+    /// this divided by the sample count). For RTN, d = 1.
     pub loss: f64,
     /// The damping fraction that made H factorizable (0 for RTN).
     pub damp_used: f64,
@@ -134,8 +135,8 @@ impl QuantizedLinear {
 }
 
 /// What the solve needs of one Hessian, computed once and shared by every Linear that reads the
-/// same input (q/k/v/gate, gate/up): dead columns (A.3.3), the processing order (A.3.5) and the
-/// upper Cholesky factor U of the damped, permuted H⁻¹ (A.3.6–7).
+/// same input (q/k/v/gate, gate/up): dead columns, the processing order and the upper Cholesky
+/// factor U of the damped, permuted H⁻¹ (docs/algorithm.md, Preprocessing of H).
 pub struct Factorization {
     pub k: usize,
     /// Input columns whose diag(H) was 0.
@@ -241,9 +242,10 @@ pub fn gptq_quantize_factored(
     }
 }
 
-/// A.3.3 and A.3.5 from diag(H): the dead columns (diagonal 0, which is set to 1 in `diag`)
-/// and the processing order (processing position → original column). Act-order sorts by
-/// descending diagonal; the sort is stable so equal diagonals keep their index order.
+/// Dead columns and processing order from diag(H) (docs/algorithm.md, Preprocessing of H): the dead
+/// columns (diagonal 0, which is set to 1 in `diag`) and the processing order (processing position
+/// → original column). Act-order sorts by descending diagonal; the sort is stable so equal
+/// diagonals keep their index order.
 pub(crate) fn dead_columns_and_order(
     diag: &mut [f32],
     act_order: ActOrder,
@@ -344,10 +346,12 @@ fn solve_factored(
     let g = quant.group_len(k);
     let n_groups = quant.n_groups(k);
 
-    // A.3.2: with one group the parameters come from the whole matrix, before dead columns are zeroed.
+    // With one group the parameters come from the whole matrix, before dead columns are zeroed
+    // (docs/algorithm.md, Post-processing).
     let whole = (quant.group_size < 0).then(|| quant.find_params(&w, k, 0..k));
 
-    // A.3.3: an input that was always zero has no curvature; its weights cannot matter, drop them.
+    // Dead columns (docs/algorithm.md, Preprocessing of H): an input that was always zero has no
+    // curvature; its weights cannot matter, drop them.
     for &i in &f.dead {
         for row in w.chunks_mut(k) {
             row[i] = 0.0;
@@ -355,7 +359,8 @@ fn solve_factored(
     }
 
     // Group parameters, [n_groups, N]. Fixed before the loop for one group or static groups
-    // (A.3.4, from the dead-zeroed weights in original order); otherwise found inside the loop.
+    // (from the dead-zeroed weights in original order: docs/algorithm.md, Post-processing);
+    // otherwise found inside the loop.
     let find_in_loop = whole.is_none() && opts.act_order != ActOrder::Static;
     let (mut scales, mut zeros) = match whole {
         Some(params) => params,
@@ -386,7 +391,7 @@ fn solve_factored(
     let mut w = w_perm;
     let (damp_used, factor_s) = (f.damp_used, f.seconds);
 
-    // A.5: the blocked column loop. W becomes Q column by column.
+    // The blocked column loop (docs/algorithm.md, The column loop). W becomes Q column by column.
     let t_loop = Instant::now();
     let maxq = quant.maxq();
     let blocksize = opts.block_size;
@@ -399,8 +404,9 @@ fn solve_factored(
         let width = i2 - i1;
         if find_in_loop {
             // Parameters of a group starting in this block come from W as it stands now: with the
-            // lazy updates of earlier blocks, without this block's in-block updates (A.7, as in
-            // every reference tool: exact when g is a multiple of blocksize).
+            // lazy updates of earlier blocks, without this block's in-block updates
+            // (docs/algorithm.md, Numerical pitfalls; as in every reference tool: exact when g is a
+            // multiple of blocksize).
             for c in (i1..i2).filter(|c| c % g == 0) {
                 let (s, z) = quant.find_params(&w, k, c..(c + g).min(k));
                 let t = c / g;
@@ -461,7 +467,8 @@ fn solve_factored(
     }
     let loop_s = t_loop.elapsed().as_secs_f64();
 
-    // A.6: g_idx per original column; scale rows are already in the order g_idx refers to.
+    // g_idx per original column; scale rows are already in the order g_idx refers to
+    // (docs/algorithm.md, Post-processing).
     let g_idx = match opts.act_order {
         ActOrder::Dynamic => invperm.iter().map(|&c| (c / g) as i32).collect(),
         ActOrder::Static | ActOrder::Off => (0..k).map(|j| (j / g) as i32).collect(),
@@ -496,11 +503,11 @@ fn natural_group_params(quant: &QuantParams, w: &[f32], k: usize) -> (Vec<f32>, 
 /// U with `H⁻¹ = UᵀU` (upper triangular, column-major f32 `[K, K]`) of `H` permuted by `perm` and
 /// damped.
 ///
-/// Uses the identity of A.3.7 instead of chol → inverse → chol: with J the exchange matrix,
-/// `J·H·J = L·Lᵀ` gives `H = R·Rᵀ` with `R = J·L·J` upper triangular, hence `H⁻¹ = R⁻ᵀ·R⁻¹` and
-/// `U = R⁻¹ = J·L⁻¹·J`: one Cholesky and one triangular inverse (2/3 K³ flops instead of ~2 K³),
-/// in f64. `J·H·J` is H gathered in reversed processing order, and `J·X·J` of a column-major X is
-/// its storage reversed, so faer only ever sees plain column-major matrices.
+/// Uses an identity instead of chol → inverse → chol (docs/algorithm.md, Preprocessing of H): with
+/// J the exchange matrix, `J·H·J = L·Lᵀ` gives `H = R·Rᵀ` with `R = J·L·J` upper triangular, hence
+/// `H⁻¹ = R⁻ᵀ·R⁻¹` and `U = R⁻¹ = J·L⁻¹·J`: one Cholesky and one triangular inverse (2/3 K³ flops
+/// instead of ~2 K³), in f64. `J·H·J` is H gathered in reversed processing order, and `J·X·J` of a
+/// column-major X is its storage reversed, so faer only ever sees plain column-major matrices.
 /// A failed factorization doubles the damping (up to 1.0) and retries from the undamped H.
 fn inverse_cholesky_upper(
     h: &[f32],
@@ -884,9 +891,10 @@ mod tests {
         assert_eq!(perm, want);
     }
 
-    /// GPTQ straight from the spec: no blocks, no lazy updates, f64 throughout, H⁻¹ by Gauss–Jordan
-    /// and U by a hand-written Cholesky. `block` only decides when group parameters are read
-    /// (from W as of the start of the block, the staleness all reference tools share, A.7).
+    /// GPTQ straight from its definition (docs/algorithm.md): no blocks, no lazy updates, f64
+    /// throughout, H⁻¹ by Gauss–Jordan and U by a hand-written Cholesky. `block` only decides when
+    /// group parameters are read (from W as of the start of the block, the staleness all reference
+    /// tools share: docs/algorithm.md, Numerical pitfalls).
     fn reference_gptq(
         w: &[f32],
         h: &[f32],

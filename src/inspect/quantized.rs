@@ -3,8 +3,8 @@
 //! and a full check: the tensors (against the layout `config.json` implies when it is a supported architecture, else
 //! the quantized sets alone), fused groups (q/k/v, gate/up) that must share their settings, the
 //! manifest hashes, and the Marlin unpack. It also says whether SGLang and vLLM would select
-//! `gptq_marlin` for the checkpoint (`gptq-and-marlin.md` B.4) and, if not, why. Any failed check
-//! is an error (exit 1); not being eligible for `gptq_marlin` is not.
+//! `gptq_marlin` for the checkpoint (docs/engines.md, What each engine builds) and, if not, why.
+//! Any failed check is an error (exit 1); not being eligible for `gptq_marlin` is not.
 
 use crate::checkpoint::writer::{verify_manifest, MANIFEST_FILE};
 use crate::checkpoint::Checkpoint;
@@ -485,8 +485,8 @@ fn marlin_consistency(
     })
 }
 
-/// SGLang's and vLLM's choice of `gptq_marlin` (`gptq-and-marlin.md` B.4), at tensor-parallel
-/// size 1.
+/// SGLang's and vLLM's choice of `gptq_marlin` (docs/engines.md, What each engine builds), at
+/// tensor-parallel size 1.
 pub fn gptq_marlin_verdicts(info: &QuantInfo, modules: &[QuantModule]) -> Vec<EngineVerdict> {
     let src = info.source.display();
     let mut common = Vec::new();

@@ -230,7 +230,8 @@ pub fn factorize(h: &Tensor, opts: &SolveOptions) -> Result<Factorization> {
         bail!("module {module}: Hessian contains NaN or Inf");
     }
     trace.lap("finite check")?;
-    // Dead columns and the processing order, exactly as on the CPU (A.3.3, A.3.5).
+    // Dead columns and the processing order, exactly as on the CPU (docs/algorithm.md,
+    // Preprocessing of H).
     let mut diag = diagonal(&h)?;
     let (dead, perm) = crate::gptq::dead_columns_and_order(&mut diag, opts.act_order);
     let mean_diag = diag.iter().map(|&d| d as f64).sum::<f64>() / k as f64;
@@ -326,7 +327,8 @@ pub fn gptq_solve(
             ],
         )
     };
-    // A.3.2: one group takes its parameters from the whole matrix, before dead columns are zeroed.
+    // One group takes its parameters from the whole matrix, before dead columns are zeroed
+    // (docs/algorithm.md, Post-processing).
     let whole = quant.group_size < 0;
     if whole {
         params(tensor_ptr(&w)?, 0, k, 1, 0, &mut scales, &mut zeros)?;
@@ -356,7 +358,7 @@ pub fn gptq_solve(
     trace.lap("params + permute W")?;
     let factor_s = f.seconds;
 
-    // A.5 on the GPU.
+    // The column loop on the GPU (docs/algorithm.md, The column loop).
     let bs = opts.block_size;
     let blas = dev.cublas_handle();
     ensure!(

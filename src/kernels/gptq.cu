@@ -38,7 +38,7 @@ extern "C" __global__ void gather_damped_f64(const float* __restrict__ h, const 
     int rj = rev[j];
     double v = (double)h[(size_t)rj * k + rev[i]];
     if (i == j) {
-        if (v == 0.0) v = 1.0;  // a dead column (A.3.3)
+        if (v == 0.0) v = 1.0;  // a dead column (docs/algorithm.md, Preprocessing of H)
         v += damp_add;
     }
     a[(size_t)j * k + i] = v;

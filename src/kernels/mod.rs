@@ -1,5 +1,6 @@
-//! Device-specific kernels (design decision 8). Everything else runs through candle's `Device`;
-//! these few operations have their own GPU implementation because candle has no equivalent:
+//! Device-specific kernels (docs/decisions.md, Device-generic code). Everything else runs through
+//! candle's `Device`; these few operations have their own GPU implementation because candle has no
+//! equivalent:
 //!
 //! | kernel | CUDA (`cuda.rs`, `gptq.cu`) | CPU twin |
 //! |---|---|---|

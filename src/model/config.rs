@@ -42,7 +42,7 @@ pub struct SparseConfig {
     pub window_size: usize,
 }
 
-/// Every key of the released `config.json` (minicpm-sala.md section 1.1). Keys that change the
+/// Every key of the released `config.json` (docs/model.md, Config keys). Keys that change the
 /// computation are required; keys with no effect on inference are optional.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Config {
@@ -351,7 +351,7 @@ impl Config {
     }
 }
 
-/// The released MiniCPM-SALA config (minicpm-sala.md 1.1, without quantization_config).
+/// The released MiniCPM-SALA config (docs/model.md, Config keys; without quantization_config).
 pub const MINICPM_SALA_9B_CONFIG: &str = include_str!("presets/minicpm-sala-9b.json");
 /// A tiny model of the same structure: both mixer kinds, head_dim 128, dimensions multiples of 128.
 pub const TINY_CONFIG: &str = include_str!("presets/tiny.json");

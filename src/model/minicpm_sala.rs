@@ -1,6 +1,6 @@
-//! The MiniCPM-SALA forward pass (minicpm-sala.md section 3), batched `[B, T]`, in the model dtype
-//! (BF16, or F32 for tests) with the reference's f32 islands: RMSNorm variance, RoPE, softmax,
-//! the whole Simple-GLA computation, and the logits.
+//! The MiniCPM-SALA forward pass (docs/model.md, Forward pass), batched `[B, T]`, in the model
+//! dtype (BF16, or F32 for tests) with the reference's f32 islands: RMSNorm variance, RoPE,
+//! softmax, the whole Simple-GLA computation, and the logits.
 //!
 //! Layer-wise API for the quantizer: [`Model::embed`], [`DecoderLayer::forward`] with a capture
 //! hook that sees the input of each Linear group, and [`Model::head`]. Decoder layers are loaded
@@ -15,8 +15,8 @@ use candle_core::{DType, Device, Tensor, D};
 /// Chunk length of the chunked Simple-GLA (fla uses 64).
 pub const GLA_CHUNK: usize = 64;
 
-/// Linears that read the same input share one Hessian (design.md decision 5). The order is the
-/// true-sequential order.
+/// Linears that read the same input share one Hessian (docs/decisions.md, Hessians follow inputs).
+/// The order is the true-sequential order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 pub enum LinearGroup {
     /// q, k, v and the attention gate (o_gate or z_proj): the normalized layer input.

@@ -1,4 +1,5 @@
-//! `quantize`: the layer-by-layer GPTQ pipeline (design.md decisions 4, 5, 7, 9).
+//! `quantize`: the layer-by-layer GPTQ pipeline (docs/decisions.md: What is quantized, Hessians
+//! follow inputs, Calibration, Safety of results; the algorithm in docs/algorithm.md).
 //!
 //! Embed the calibration windows; then for each decoder layer, for each true-sequential subset
 //! ([q, k, v, gate] → [o] → [gate, up] → [down]) run the layer up to that subset's input while

@@ -339,10 +339,11 @@ fn eval_ppl_refuses_what_it_cannot_compute() {
             "built without CUDA",
         );
     }
+    // A device that is no device name is a usage error (exit 2).
     assert_fails(
         &run(&["eval-ppl", "--model", ms, "--data", ds, "--device", "tpu"]),
-        1,
-        "expected auto, cpu, cuda or cuda:N",
+        2,
+        "use auto, cpu, cuda or cuda:N",
     );
 }
 

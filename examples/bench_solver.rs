@@ -26,7 +26,9 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use soar_gptq::format::pack::pack_qweight_nk;
-use soar_gptq::gptq::{gptq_quantize, ActOrder, HessianAccumulator, QuantParams, SolveOptions};
+use soar_gptq::gptq::{gptq_quantize, HessianAccumulator, QuantParams, SolveOptions};
+use soar_gptq::rng::SplitMix64;
+use soar_gptq::scheme::{ActOrder, GroupSize};
 
 /// Shared latent factors of the synthetic inputs: they make the features correlated.
 const LATENT_RANK: usize = 64;
@@ -39,11 +41,10 @@ struct Args {
     /// Calibration tokens fed to the Hessian.
     #[arg(long, default_value_t = 2048)]
     tokens: usize,
-    /// static | dynamic | off
-    #[arg(long, default_value = "static")]
-    act_order: String,
-    #[arg(long, default_value_t = 128)]
-    group_size: i64,
+    #[arg(long, value_enum, default_value_t = ActOrder::Static)]
+    act_order: ActOrder,
+    #[arg(long, default_value_t = GroupSize::G128, allow_hyphen_values = true)]
+    group_size: GroupSize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Devices to solve on: cpu, cuda (CUDA builds), comma-separated.
@@ -60,28 +61,10 @@ struct Args {
     hessian_tokens: usize,
 }
 
-/// splitmix64 + Box–Muller: reproducible inputs without an extra dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn gaussian(&mut self) -> f32 {
-        let u1 = ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64;
-        let u2 = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
-        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
-    }
-
-    fn tensor(&mut self, rows: usize, cols: usize, std: f32) -> Result<Tensor> {
-        let v: Vec<f32> = (0..rows * cols).map(|_| self.gaussian() * std).collect();
-        Ok(Tensor::from_vec(v, (rows, cols), &Device::Cpu)?)
-    }
+/// A `[rows, cols]` tensor of normal values with standard deviation `std`.
+fn normal_tensor(rng: &mut SplitMix64, rows: usize, cols: usize, std: f32) -> Result<Tensor> {
+    let v: Vec<f32> = rng.normals(rows * cols).iter().map(|x| x * std).collect();
+    Ok(Tensor::from_vec(v, (rows, cols), &Device::Cpu)?)
 }
 
 fn parse_shape(s: &str) -> Result<(usize, usize)> {
@@ -129,7 +112,7 @@ fn save(
     let meta: HashMap<String, String> = [
         ("bits", "4".to_string()),
         ("group_size", args.group_size.to_string()),
-        ("act_order", args.act_order.clone()),
+        ("act_order", args.act_order.to_string()),
         ("sym", "true".to_string()),
         ("damp", "0.01".to_string()),
         ("block_size", "128".to_string()),
@@ -154,12 +137,7 @@ fn save(
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let act_order = match args.act_order.as_str() {
-        "static" => ActOrder::Static,
-        "dynamic" => ActOrder::Dynamic,
-        "off" => ActOrder::Off,
-        other => bail!("--act-order must be static, dynamic or off, got `{other}`"),
-    };
+    let act_order = args.act_order;
     let shapes: Vec<(usize, usize)> = args
         .shapes
         .split(',')
@@ -183,20 +161,21 @@ fn main() -> Result<()> {
         "shape NxK", "device", "solve_s", "factor_s", "loop_s", "loss", "damp", "pack_s"
     );
     for &(n, k) in &shapes {
-        let mut rng = Rng(args.seed ^ ((n as u64) << 32 | k as u64));
+        let mut rng = SplitMix64::new(args.seed ^ ((n as u64) << 32 | k as u64));
         // X = Z·diag(s) + F·B: per-feature noise of unequal energy plus shared latent factors.
-        let col_scale: Vec<f32> = (0..k).map(|_| (0.5 * rng.gaussian()).exp()).collect();
-        let z = rng
-            .tensor(args.tokens, k, 1.0)?
+        let col_scale: Vec<f32> = (0..k)
+            .map(|_| (0.5 * (rng.normal() as f32)).exp())
+            .collect();
+        let z = normal_tensor(&mut rng, args.tokens, k, 1.0)?
             .broadcast_mul(&Tensor::new(col_scale.as_slice(), &Device::Cpu)?)?;
-        let f = rng.tensor(args.tokens, LATENT_RANK, 1.0)?;
-        let b = rng.tensor(LATENT_RANK, k, 0.5)?;
+        let f = normal_tensor(&mut rng, args.tokens, LATENT_RANK, 1.0)?;
+        let b = normal_tensor(&mut rng, LATENT_RANK, k, 0.5)?;
         let x = (z + f.matmul(&b)?)?;
         let mut acc = HessianAccumulator::new(k, &Device::Cpu)?;
         acc.add_batch(&x, None)?;
         let h = acc.hessian()?;
         drop(x);
-        let w = rng.tensor(n, k, 0.02)?;
+        let w = normal_tensor(&mut rng, n, k, 0.02)?;
         if let Some(dir) = &args.save {
             save(dir, n, k, &w, &h, &args)?;
         }

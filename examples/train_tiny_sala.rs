@@ -41,6 +41,7 @@ use soar_gptq::checkpoint::Dtype;
 use soar_gptq::eval::{self, PplOptions};
 use soar_gptq::model::config::{self, Config};
 use soar_gptq::model::{DecoderLayer, Model};
+use soar_gptq::rng::SplitMix64;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -123,30 +124,6 @@ struct Args {
     force: bool,
 }
 
-/// SplitMix64 (the generator `soar_gptq::synth` uses), with Box-Muller normals.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E3779B97F4A7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in (0, 1].
-    fn unit(&mut self) -> f64 {
-        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-    fn normal(&mut self) -> f64 {
-        let (u1, u2) = (self.unit(), self.unit());
-        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
-    }
-}
-
 fn fnv1a(s: &str) -> u64 {
     s.bytes().fold(0xcbf29ce484222325u64, |h, b| {
         (h ^ b as u64).wrapping_mul(0x100000001b3)
@@ -172,7 +149,7 @@ fn init_var(name: &str, shape: &[usize], cfg: &Config, seed: u64, dev: &Device) 
         vec![1.0; n]
     } else {
         let std = init_std(name, shape, cfg);
-        let mut rng = Rng(seed ^ fnv1a(name));
+        let mut rng = SplitMix64::new(seed ^ fnv1a(name));
         (0..n).map(|_| (rng.normal() * std) as f32).collect()
     };
     Ok(Var::from_tensor(&Tensor::from_vec(data, shape, dev)?)?)
@@ -356,7 +333,11 @@ fn write_side_files(dir: &std::path::Path, cfg: &Config, tokenizer: &[u8]) -> Re
 fn main() -> Result<()> {
     let args = Args::parse();
     let t0 = Instant::now();
-    let dev = soar_gptq::cli::parse_device(&args.device)?;
+    let dev = args
+        .device
+        .parse::<soar_gptq::device::DeviceSpec>()
+        .map_err(anyhow::Error::msg)?
+        .open()?;
     let cfg = config::preset("tiny")?;
     if args.seqlen < 2 || args.batch == 0 || args.steps == 0 {
         bail!("--seqlen must be at least 2, --batch and --steps at least 1");
@@ -461,7 +442,7 @@ fn main() -> Result<()> {
     let mut opt_plain = AdamW::new(plain, adam(0.0))?;
     let all_vars: Vec<&Var> = specs.iter().map(|(n, _)| &vars[n]).collect();
 
-    let mut rng = Rng(args.seed ^ 0xDA7A_5EED);
+    let mut rng = SplitMix64::new(args.seed ^ 0xDA7A_5EED);
     let mut log = vec![];
     let (mut best, mut stale) = (f64::INFINITY, 0usize);
     let decay_frac = 0.25;

@@ -54,10 +54,14 @@ pub fn install() {
     });
 }
 
+/// The file, inside a partial output folder, that lists finished layers: its presence makes the
+/// folder resumable (`quantize --resume`), so it survives an interrupt and `--force` is needed to
+/// discard it.
+pub const RESUMABLE_MARKER: &str = "journal/journal.json";
+
 /// Finished layers recorded in a partial quantize folder's journal, if any.
 fn resumable_layers(partial: &Path) -> Option<usize> {
-    let text =
-        std::fs::read_to_string(partial.join(crate::checkpoint::writer::RESUMABLE_MARKER)).ok()?;
+    let text = std::fs::read_to_string(partial.join(RESUMABLE_MARKER)).ok()?;
     let v: serde_json::Value = serde_json::from_str(&text).ok()?;
     let n = v["layers"].as_array()?.len();
     (n > 0).then_some(n)

@@ -8,6 +8,7 @@
 pub mod calib;
 pub mod checkpoint;
 pub mod cli;
+pub mod device;
 pub mod engine;
 pub mod eval;
 pub mod fault;
@@ -20,7 +21,9 @@ pub mod kernels;
 pub mod model;
 pub mod output;
 pub mod pack_marlin;
+pub mod progress;
 pub mod quantize;
 pub mod rng;
+pub mod scheme;
 pub mod source;
 pub mod synth;

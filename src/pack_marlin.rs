@@ -43,8 +43,8 @@ use crate::format::marlin::{
 };
 use crate::format::pack::i32_to_le_bytes;
 use crate::format::quantized::{
-    at, expected_bf16_tensors, read_json, read_quant_info, validate_quantized_modules, QuantFormat,
-    QuantModule, CONFIG_FILE, QUANTIZE_CONFIG_FILE, SORT_INDICES_SUFFIX,
+    at, read_json, read_quant_info, validate_quantized_modules, QuantFormat, QuantModule,
+    CONFIG_FILE, QUANTIZE_CONFIG_FILE, SORT_INDICES_SUFFIX,
 };
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use half::f16;
@@ -203,7 +203,7 @@ pub fn pack_marlin_checkpoint(
     crate::checkpoint::guard::check_output("--out", out, &[], &model_inputs("--in", input))?;
     let ck = Checkpoint::open(input)?;
     ck.check_finite()?;
-    let expected = expected_bf16_tensors(input).ok();
+    let expected = crate::model::expected_bf16_tensors(input).ok();
     let modules = validate_quantized_modules(&ck, &info, expected.as_deref())
         .with_context(|| format!("{} is not a valid GPTQ checkpoint", input.display()))?;
     ensure!(

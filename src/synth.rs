@@ -88,7 +88,7 @@ pub fn synth(cfg: &AnyConfig, opts: &SynthOptions) -> Result<PathBuf> {
         specs.iter().map(TensorSpec::nbytes).sum(),
         "the tensors",
     )?;
-    let progress = crate::cli::progress::bar(specs.len() as u64, "synth");
+    let progress = crate::progress::bar(specs.len() as u64, "synth");
     writer::write_sharded(&dir, &specs, opts.shard_bytes, |spec, w| {
         let (center, half_width) = init_for(&spec.name, &spec.shape, cfg);
         let n = spec.shape.iter().product::<usize>();

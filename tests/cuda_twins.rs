@@ -10,6 +10,7 @@ use soar_gptq::gptq::{
     gptq_quantize, rtn_quantize, ActOrder, HessianAccumulator, QuantParams, QuantizedLinear,
     SolveOptions,
 };
+use soar_gptq::rng::SplitMix64;
 
 fn gpu() -> Option<Device> {
     match Device::new_cuda(0) {
@@ -24,41 +25,24 @@ fn gpu() -> Option<Device> {
     }
 }
 
-/// splitmix64 + Box–Muller, as the other tests use.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn gaussian(&mut self) -> f32 {
-        let u1 = ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64;
-        let u2 = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
-        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
-    fn tensor(&mut self, rows: usize, cols: usize, std: f32) -> Tensor {
-        let v: Vec<f32> = (0..rows * cols).map(|_| self.gaussian() * std).collect();
-        Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap()
-    }
-}
-
 /// Correlated inputs `[tokens, k]` (unequal feature energies, shared latent factors) and their
 /// f32 Hessian, on the CPU.
-fn correlated_hessian(rng: &mut Rng, tokens: usize, k: usize) -> Tensor {
-    let scale: Vec<f32> = (0..k).map(|_| (0.5 * rng.gaussian()).exp()).collect();
+/// A `[rows, cols]` tensor of normal values with standard deviation `std`.
+fn normal_tensor(rng: &mut SplitMix64, rows: usize, cols: usize, std: f32) -> Tensor {
+    let v: Vec<f32> = rng.normals(rows * cols).iter().map(|x| x * std).collect();
+    Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap()
+}
+
+fn correlated_hessian(rng: &mut SplitMix64, tokens: usize, k: usize) -> Tensor {
+    let scale: Vec<f32> = (0..k)
+        .map(|_| (0.5 * (rng.normal() as f32)).exp())
+        .collect();
     let z = rng
         .tensor(tokens, k, 1.0)
         .broadcast_mul(&Tensor::new(scale.as_slice(), &Device::Cpu).unwrap())
         .unwrap();
-    let f = rng.tensor(tokens, 16, 1.0);
-    let b = rng.tensor(16, k, 0.5);
+    let f = normal_tensor(rng, tokens, 16, 1.0);
+    let b = normal_tensor(rng, 16, k, 0.5);
     let x = (z + f.matmul(&b).unwrap()).unwrap();
     let mut acc = HessianAccumulator::new(k, &Device::Cpu).unwrap();
     acc.add_batch(&x, None).unwrap();
@@ -69,7 +53,7 @@ fn opts(bits: u8, group_size: i64, sym: bool, act_order: ActOrder) -> SolveOptio
     SolveOptions {
         quant: QuantParams {
             bits,
-            group_size,
+            group_size: soar_gptq::scheme::GroupSize::from_i64(group_size).unwrap(),
             sym,
             mse: false,
         },
@@ -94,12 +78,16 @@ fn code_diff(a: &QuantizedLinear, b: &QuantizedLinear) -> (u8, f64) {
 #[test]
 fn tensor_core_xtx_matches_the_f32_accumulator() {
     let Some(gpu) = gpu() else { return };
-    let mut rng = Rng(1);
+    let mut rng = SplitMix64::new(1);
     // More rows than one GemmEx chunk (16 K), so the beta = 1 accumulation is exercised; two
     // batches, so the accumulator's own sum is too.
     let (rows, k) = (20_000, 192);
     let xs: Vec<Tensor> = (0..2)
-        .map(|_| rng.tensor(rows, k, 1.0).to_dtype(DType::BF16).unwrap())
+        .map(|_| {
+            normal_tensor(&mut rng, rows, k, 1.0)
+                .to_dtype(DType::BF16)
+                .unwrap()
+        })
         .collect();
     let mut cpu = HessianAccumulator::new(k, &Device::Cpu).unwrap();
     let mut dev = HessianAccumulator::new(k, &gpu).unwrap();
@@ -133,9 +121,9 @@ fn tensor_core_xtx_matches_the_f32_accumulator() {
 #[test]
 fn gpu_solve_with_identity_hessian_is_rtn_exactly() {
     let Some(gpu) = gpu() else { return };
-    let mut rng = Rng(2);
+    let mut rng = SplitMix64::new(2);
     let (n, k) = (96, 256);
-    let w = rng.tensor(n, k, 0.05);
+    let w = normal_tensor(&mut rng, n, k, 0.05);
     let h = Tensor::eye(k, DType::F32, &Device::Cpu).unwrap();
     for (bits, g, sym) in [
         (4, 128, true),
@@ -161,7 +149,7 @@ fn gpu_solve_with_identity_hessian_is_rtn_exactly() {
 #[test]
 fn gpu_solve_agrees_with_the_cpu_solve() {
     let Some(gpu) = gpu() else { return };
-    let mut rng = Rng(3);
+    let mut rng = SplitMix64::new(3);
     // K = 320 is not a multiple of the 128-column block; group 32 < block, -1 = one group.
     // K = 1280 and 1152 exceed the 512-column leaf of the GPU's recursive triangular inverse
     // (1280 splits into 640 + 640, then 384 + 256: uneven halves at the second level).
@@ -176,7 +164,7 @@ fn gpu_solve_agrees_with_the_cpu_solve() {
         (64, 256, 4, -1, false, ActOrder::Static),
     ] {
         let h = correlated_hessian(&mut rng, 2048, k);
-        let w = rng.tensor(n, k, 0.05);
+        let w = normal_tensor(&mut rng, n, k, 0.05);
         let o = opts(bits, g, sym, act);
         let cpu = gptq_quantize(&w, &h, &o).unwrap();
         let dev =
@@ -204,10 +192,10 @@ fn gpu_solve_agrees_with_the_cpu_solve() {
 #[test]
 fn gpu_damping_escalates_like_the_cpu_and_dead_columns_match() {
     let Some(gpu) = gpu() else { return };
-    let mut rng = Rng(4);
+    let mut rng = SplitMix64::new(4);
     let (n, k) = (64, 128);
     // Rank-deficient and indefinite: a Hessian that needs damping well above 1%.
-    let a = rng.tensor(k, 8, 1.0);
+    let a = normal_tensor(&mut rng, k, 8, 1.0);
     let mut h = a.matmul(&a.t().unwrap()).unwrap();
     let minus = Tensor::eye(k, DType::F32, &Device::Cpu)
         .unwrap()
@@ -223,7 +211,7 @@ fn gpu_damping_escalates_like_the_cpu_and_dead_columns_match() {
         }
     }
     let h = Tensor::from_vec(hv, (k, k), &Device::Cpu).unwrap();
-    let w = rng.tensor(n, k, 0.05);
+    let w = normal_tensor(&mut rng, n, k, 0.05);
     let o = opts(4, 64, true, ActOrder::Static);
     let cpu = gptq_quantize(&w, &h, &o).unwrap();
     let dev = gptq_quantize(&w.to_device(&gpu).unwrap(), &h.to_device(&gpu).unwrap(), &o).unwrap();
@@ -237,31 +225,38 @@ fn gpu_damping_escalates_like_the_cpu_and_dead_columns_match() {
 #[test]
 fn gpu_gptq_decode_is_bit_exact_for_every_width() {
     let Some(gpu) = gpu() else { return };
-    let mut rng = Rng(5);
+    let mut rng = SplitMix64::new(5);
     for bits in [2u8, 3, 4, 8] {
         for v1 in [true, false] {
             let (k, n, g) = (256usize, 96usize, 64usize);
             let groups = k / g;
             let maxq = (1u64 << bits) - 1;
-            let codes: Vec<u8> = (0..k * n).map(|_| rng.below(maxq + 1) as u8).collect();
+            let codes: Vec<u8> = (0..k * n)
+                .map(|_| rng.below(maxq as usize + 1) as u8)
+                .collect();
             let zeros: Vec<u8> = (0..groups * n)
-                .map(|_| (u64::from(v1) + rng.below(maxq + 1 - u64::from(v1))) as u8)
+                .map(|_| (usize::from(v1) + rng.below((maxq + 1 - u64::from(v1)) as usize)) as u8)
                 .collect();
             let scales: Vec<f32> = (0..groups * n)
-                .map(|_| half::f16::from_f32(0.01 + rng.gaussian().abs() * 0.01).to_f32())
+                .map(|_| half::f16::from_f32(0.01 + (rng.normal() as f32).abs() * 0.01).to_f32())
                 .collect();
             // A permuted g_idx, as dynamic act-order writes.
             let mut g_idx: Vec<i32> = (0..k).map(|j| (j / g) as i32).collect();
             for i in (1..k).rev() {
-                g_idx.swap(i, rng.below(i as u64 + 1) as usize);
+                g_idx.swap(i, rng.below(i + 1));
             }
+            let layout = if v1 {
+                soar_gptq::scheme::QuantFormat::GptqV1
+            } else {
+                soar_gptq::scheme::QuantFormat::GptqV2
+            };
             let c = ModuleCodes::Gptq {
                 qweight: format::pack_qweight(&codes, k, n, bits).unwrap(),
-                qzeros: format::pack_qzeros(&zeros, groups, n, bits, v1).unwrap(),
+                qzeros: format::pack_qzeros(&zeros, groups, n, bits, layout).unwrap(),
                 scales,
                 g_idx,
                 bits,
-                v1,
+                format: layout,
             };
             let cpu = c.dequantize(n, k).unwrap();
             let dev = c
@@ -279,17 +274,17 @@ fn gpu_gptq_decode_is_bit_exact_for_every_width() {
 #[test]
 fn gpu_marlin_decode_is_bit_exact() {
     let Some(gpu) = gpu() else { return };
-    let mut rng = Rng(6);
+    let mut rng = SplitMix64::new(6);
     let (k, n, g) = (256usize, 128usize, 128usize);
     let codes: Vec<u8> = (0..k * n).map(|_| rng.below(16) as u8).collect();
     let scales: Vec<f32> = (0..k / g * n)
-        .map(|_| half::f16::from_f32(0.01 + rng.gaussian().abs() * 0.01).to_f32())
+        .map(|_| half::f16::from_f32(0.01 + (rng.normal() as f32).abs() * 0.01).to_f32())
         .collect();
     for sorted in [false, true] {
         let mut src_row: Vec<i32> = (0..k as i32).collect();
         if sorted {
             for i in (1..k).rev() {
-                src_row.swap(i, rng.below(i as u64 + 1) as usize);
+                src_row.swap(i, rng.below(i + 1));
             }
         }
         let c = ModuleCodes::Marlin {

@@ -20,24 +20,9 @@ fn pack_marlin_checkpoint(
     soar_gptq::pack_marlin::pack_marlin_checkpoint(input, out, force, Some(Engine::Sglang))
 }
 use soar_gptq::model::config::preset;
+use soar_gptq::rng::SplitMix64;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32
-    }
-}
 
 #[derive(Clone, Copy)]
 struct Q {
@@ -78,7 +63,7 @@ fn write_gptq(
     seed: u64,
 ) {
     std::fs::create_dir_all(dir).unwrap();
-    let mut rng = Rng(seed | 1);
+    let mut rng = SplitMix64::new(seed);
     let mut data: BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)> = BTreeMap::new();
     let le = |w: &[i32]| w.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     for (p, n, k) in quantized {
@@ -86,25 +71,27 @@ fn write_gptq(
         let maxq = (1u64 << q.bits) - 1;
         let g = if q.group < 0 { k } else { q.group as usize };
         let groups = k.div_ceil(g);
-        let codes: Vec<u8> = (0..k * n).map(|_| rng.below(maxq + 1) as u8).collect();
+        let codes: Vec<u8> = (0..k * n)
+            .map(|_| rng.below(maxq as usize + 1) as u8)
+            .collect();
         let zeros: Vec<u8> = (0..groups * n)
             .map(|_| {
                 if q.sym {
                     1u8 << (q.bits - 1)
                 } else {
                     let lo = u64::from(!q.v2);
-                    (lo + rng.below(maxq + 1 - lo)) as u8
+                    (lo as usize + rng.below((maxq + 1 - lo) as usize)) as u8
                 }
             })
             .collect();
         let scales: Vec<u8> = (0..groups * n)
-            .flat_map(|_| half::f16::from_f32(0.001 + 0.05 * rng.unit()).to_le_bytes())
+            .flat_map(|_| half::f16::from_f32(0.001 + 0.05 * (rng.unit() as f32)).to_le_bytes())
             .collect();
         let mut g_idx: Vec<i32> = (0..k).map(|i| (i / g) as i32).collect();
         if q.act_order {
             let mut perm: Vec<usize> = (0..k).collect();
             for i in (1..k).rev() {
-                perm.swap(i, rng.below(i as u64 + 1) as usize);
+                perm.swap(i, rng.below(i + 1));
             }
             for (i, &row) in perm.iter().enumerate() {
                 g_idx[row] = (i / g) as i32;
@@ -112,7 +99,18 @@ fn write_gptq(
         }
         let per = 32 / q.bits as usize;
         let qweight = pack_qweight(&codes, k, n, q.bits).unwrap();
-        let qzeros = pack_qzeros(&zeros, groups, n, q.bits, !q.v2).unwrap();
+        let qzeros = pack_qzeros(
+            &zeros,
+            groups,
+            n,
+            q.bits,
+            if q.v2 {
+                soar_gptq::scheme::QuantFormat::GptqV2
+            } else {
+                soar_gptq::scheme::QuantFormat::GptqV1
+            },
+        )
+        .unwrap();
         data.insert(
             format!("{p}.qweight"),
             (Dtype::I32, vec![k / per, n], le(&qweight)),
@@ -127,7 +125,7 @@ fn write_gptq(
     for (name, shape) in plain {
         let numel: usize = shape.iter().product();
         let bytes = (0..numel)
-            .flat_map(|_| half::bf16::from_f32(rng.unit() - 0.5).to_le_bytes())
+            .flat_map(|_| half::bf16::from_f32((rng.unit() as f32) - 0.5).to_le_bytes())
             .collect();
         data.insert(name.clone(), (Dtype::BF16, shape.clone(), bytes));
     }

@@ -61,10 +61,6 @@ for stage in "$@"; do
     "$G/bench_solver" --devices cuda --repeat 5 --save /tmp/wh --hessian-tokens 65536 \
       2>&1 | tee -a "$OUT/summary.txt"
     "$G/bench_solver" --devices cpu --repeat 1 2>&1 | tee -a "$OUT/summary.txt"
-    for v in "SOAR_GPTQ_INVERSE=trsm" "SOAR_GPTQ_INVERSE=trtri" "SOAR_GPTQ_PINNED=0" "SOAR_GPTQ_CODES=scatter"; do
-      echo "-- GPU with $v" | tee -a "$OUT/summary.txt"
-      env "$v" "$G/bench_solver" --devices cuda --repeat 5 2>&1 | tee -a "$OUT/summary.txt"
-    done
     python3 examples/bench/gptq_eager.py /tmp/wh --device cuda --warmup 1 --repeat 3 \
       2>&1 | tee -a "$OUT/summary.txt"
     ;;

@@ -149,6 +149,23 @@ fn header_bytes(group: &[&TensorSpec]) -> Vec<u8> {
     out
 }
 
+/// Replaces `path` atomically: `write` fills `<path>.tmp`, which is synced and renamed over
+/// `path`, so a crash or a full disk leaves the old file or the new one, never a torn one. The
+/// one write-and-rename of the tool (journal, Hessian files).
+pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    write(&tmp)
+        .and_then(|()| -> Result<()> {
+            std::fs::File::open(&tmp)?.sync_all()?;
+            Ok(crate::fault::write_point("a temporary file written")?)
+        })
+        .with_context(|| format!("cannot write {} (disk full?)", tmp.display()))?;
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))
+}
+
 pub fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     crate::fault::write_point("before writing a file")
         .and_then(|()| std::fs::write(path, bytes))
@@ -426,8 +443,7 @@ impl OutputDir {
     }
 }
 
-/// A resumable quantize run leaves this file in its partial folder.
-pub const RESUMABLE_MARKER: &str = "journal/journal.json";
+pub use crate::interrupt::RESUMABLE_MARKER;
 
 /// Removes a folder tree, or a file or symlink (never following it).
 fn remove_path(p: &Path) -> std::io::Result<()> {

@@ -1,10 +1,10 @@
 //! The `soar-gptq` command line: argument parsing, dispatch, and the exit-code contract
 //! (0 success, 2 usage error, 1 any other failure with one clear message on stderr).
 
-pub mod progress;
-
 use crate::checkpoint::writer::DEFAULT_SHARD_BYTES;
+use crate::device::DeviceSpec;
 use crate::eval::{PplOptions, DEFAULT_EVAL_TEXT};
+use crate::scheme::{ActOrder, GroupSize};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use clap::{Parser, Subcommand, ValueEnum};
@@ -83,8 +83,8 @@ pub struct EvalPplArgs {
     #[arg(long)]
     pub bos: bool,
     /// auto, cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto", value_parser = parse_device_spec)]
-    pub device: String,
+    #[arg(long, default_value = "auto")]
+    pub device: DeviceSpec,
     /// Compute dtype (default: f32 on the CPU, bf16 on a GPU).
     #[arg(long, value_enum)]
     pub dtype: Option<ComputeDtype>,
@@ -115,12 +115,12 @@ pub struct QuantizeArgs {
     #[arg(long, default_value_t = 4, value_parser = parse_bits)]
     pub bits: u8,
     /// Columns per quantization group (-1: one group per row).
-    #[arg(long, default_value_t = 128, allow_hyphen_values = true, value_parser = parse_group_size)]
-    pub group_size: i64,
+    #[arg(long, default_value_t = GroupSize::G128, allow_hyphen_values = true)]
+    pub group_size: GroupSize,
     /// Column order of the solve: static (act-order with fixed groups, trivial g_idx),
     /// dynamic (desc_act with permuted g_idx) or off.
-    #[arg(long, value_enum, default_value_t = ActOrderArg::Static)]
-    pub act_order: ActOrderArg,
+    #[arg(long, value_enum, default_value_t = ActOrder::Static)]
+    pub act_order: ActOrder,
     /// Asymmetric quantization (zero points); not servable by gptq_marlin.
     #[arg(long)]
     pub asym: bool,
@@ -140,8 +140,8 @@ pub struct QuantizeArgs {
     #[arg(long)]
     pub skip: Vec<String>,
     /// auto, cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto", value_parser = parse_device_spec)]
-    pub device: String,
+    #[arg(long, default_value = "auto")]
+    pub device: DeviceSpec,
     /// Compute dtype of the calibration forward (default: f32 on the CPU, bf16 on a GPU).
     #[arg(long, value_enum)]
     pub dtype: Option<ComputeDtype>,
@@ -186,13 +186,6 @@ pub struct QuantizeArgs {
     /// Testing aid: fail after this many layers (leaves a resumable <out>.partial).
     #[arg(long, hide = true)]
     pub stop_after_layers: Option<usize>,
-}
-
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ActOrderArg {
-    Static,
-    Dynamic,
-    Off,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -249,18 +242,9 @@ fn parse_bits(s: &str) -> std::result::Result<u8, String> {
     }
 }
 
-fn parse_group_size(s: &str) -> std::result::Result<i64, String> {
-    match s.parse::<i64>() {
-        Ok(g) if g == -1 || (g > 0 && g <= i32::MAX as i64) => Ok(g),
-        _ => Err(format!(
-            "{s} is not a group size: use -1 (one group per row) or a positive number of columns"
-        )),
-    }
-}
-
 fn parse_damp(s: &str) -> std::result::Result<f64, String> {
     match s.parse::<f64>() {
-        Ok(d) if d > 0.0 && d < 1.0 => Ok(d),
+        Ok(d) if crate::gptq::valid_damp(d) => Ok(d),
         _ => Err(format!(
             "{s} is not a damping fraction: use a number in (0, 1), e.g. 0.01"
         )),
@@ -271,21 +255,6 @@ fn parse_shard_size(s: &str) -> std::result::Result<u64, String> {
     match s.parse::<u64>() {
         Ok(n) if n > 0 => Ok(n),
         _ => Err(format!("{s} is not a positive number of bytes")),
-    }
-}
-
-/// The syntax of `--device` (whether that GPU exists is checked when it is opened).
-fn parse_device_spec(s: &str) -> std::result::Result<String, String> {
-    let t = s.trim();
-    let ok = matches!(t, "auto" | "cpu" | "cuda")
-        || t.strip_prefix("cuda:")
-            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
-    if ok {
-        Ok(t.to_string())
-    } else {
-        Err(format!(
-            "{s} is not a device: use auto, cpu, cuda or cuda:N"
-        ))
     }
 }
 
@@ -365,44 +334,6 @@ pub enum ComputeDtype {
     Bf16,
 }
 
-/// `auto` picks the first GPU when the binary has CUDA and one is present, else the CPU.
-pub fn parse_device(spec: &str) -> Result<Device> {
-    let spec = spec.trim();
-    match spec {
-        "cpu" => Ok(Device::Cpu),
-        "auto" => {
-            if cfg!(feature = "cuda") {
-                if let Ok(d) = Device::new_cuda(0) {
-                    return Ok(d);
-                }
-            }
-            Ok(Device::Cpu)
-        }
-        s if s == "cuda" || s.starts_with("cuda:") => {
-            let n: usize = match s.strip_prefix("cuda:") {
-                Some(n) => n
-                    .parse()
-                    .with_context(|| format!("--device {s}: expected cuda:N with N a GPU index"))?,
-                None => 0,
-            };
-            if !cfg!(feature = "cuda") {
-                bail!("--device {s}: this binary was built without CUDA; rebuild with `cargo build --release --features cuda` or use --device cpu");
-            }
-            Device::new_cuda(n).with_context(|| format!("--device {s}: no usable CUDA GPU {n}"))
-        }
-        other => bail!("--device {other}: expected auto, cpu, cuda or cuda:N"),
-    }
-}
-
-/// How a device is named to users: `cpu`, `cuda:N` (N the GPU ordinal, as `--device` takes it).
-pub fn device_label(device: &Device) -> String {
-    match device.location() {
-        candle_core::DeviceLocation::Cpu => "cpu".to_string(),
-        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
-        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
-    }
-}
-
 fn compute_dtype(choice: Option<ComputeDtype>, device: &Device) -> DType {
     match choice {
         Some(ComputeDtype::F32) => DType::F32,
@@ -423,7 +354,7 @@ fn read_eval_text(data: &str) -> Result<String> {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Quantize(a) => {
-            let device = parse_device(&a.device)?;
+            let device = a.device.open()?;
             let opts = crate::quantize::QuantizeOptions {
                 model: a.model.clone(),
                 revision: a.revision.clone(),
@@ -435,11 +366,7 @@ fn run(cli: Cli) -> Result<()> {
                 out: a.out.clone(),
                 bits: a.bits,
                 group_size: a.group_size,
-                act_order: match a.act_order {
-                    ActOrderArg::Static => crate::gptq::ActOrder::Static,
-                    ActOrderArg::Dynamic => crate::gptq::ActOrder::Dynamic,
-                    ActOrderArg::Off => crate::gptq::ActOrder::Off,
-                },
+                act_order: a.act_order,
                 sym: !a.asym,
                 damp: a.damp,
                 nsamples: a.nsamples,
@@ -571,7 +498,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::EvalPpl(a) => {
             let src = crate::source::resolve(&a.model, a.revision.as_deref())?;
-            let device = parse_device(&a.device)?;
+            let device = a.device.open()?;
             let opts = PplOptions {
                 seqlen: a.seqlen,
                 max_windows: a.max_windows,
@@ -679,24 +606,5 @@ pub fn main() -> i32 {
             code.max(1)
         }
         None => code,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn devices_are_named_as_the_option_takes_them() {
-        let cpu = parse_device("cpu").unwrap();
-        assert_eq!(device_label(&cpu), "cpu");
-        if !cfg!(feature = "cuda") {
-            // Without CUDA `auto` is the CPU and `cuda:N` is refused, naming the option.
-            assert_eq!(device_label(&parse_device("auto").unwrap()), "cpu");
-            let e = parse_device("cuda:1").unwrap_err().to_string();
-            assert!(e.contains("--device cuda:1"), "{e}");
-        }
-        let e = parse_device("gpu").unwrap_err().to_string();
-        assert!(e.contains("expected auto, cpu, cuda or cuda:N"), "{e}");
     }
 }

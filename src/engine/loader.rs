@@ -7,8 +7,10 @@
 
 use super::{Engine, Finding, FolderView};
 use crate::checkpoint::Dtype;
-use crate::format::quantized::{DynamicRule, QuantFormat, QuantInfo};
+use crate::format::marlin::{marlin_group_ok, MARLIN_K_MULTIPLE, MARLIN_N_MULTIPLE};
+use crate::format::quantized::{DynamicRule, QuantFormat, QuantInfo, FUSED_GROUPS};
 use crate::model::AnyConfig;
+use crate::scheme::GroupSize;
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -55,7 +57,7 @@ pub struct EngineModule {
     pub members: Vec<String>,
     pub method: Method,
     pub bits: Option<u8>,
-    pub group_size: Option<i32>,
+    pub group_size: Option<GroupSize>,
     /// The `dynamic` rule that decided the method or settings, if any.
     pub rule: Option<String>,
 }
@@ -68,12 +70,6 @@ struct Member {
     k: usize,
     bias: bool,
 }
-
-/// Fused groups of SGLang and vLLM: (fused leaf, member leaves).
-const FUSED: &[(&str, &[&str])] = &[
-    ("qkv_proj", &["q_proj", "k_proj", "v_proj"]),
-    ("gate_up_proj", &["gate_proj", "up_proj"]),
-];
 
 /// An engine Linear: its name and the checkpoint modules it loads.
 type EngineLinear = (String, Vec<Member>);
@@ -120,7 +116,7 @@ fn engine_layout(
         }
         let (parent, leaf) = p.rsplit_once('.').unwrap_or(("", p));
         let fused = (engine != Engine::Transformers)
-            .then(|| FUSED.iter().find(|(_, m)| m.contains(&leaf)))
+            .then(|| FUSED_GROUPS.iter().find(|(_, m)| m.contains(&leaf)))
             .flatten();
         match fused {
             Some((fname, members)) => {
@@ -146,10 +142,6 @@ fn engine_layout(
 /// `get_dynamic_override`).
 fn first_rule<'a>(q: &'a QuantInfo, name: &str) -> Option<&'a DynamicRule> {
     q.dynamic.iter().find(|r| r.matches(name))
-}
-
-fn marlin_group_ok(g: i32) -> bool {
-    [-1, 32, 64, 128].contains(&g)
 }
 
 /// SGLang's `is_gptq_marlin_compatible` on the checkpoint-wide settings.
@@ -187,7 +179,7 @@ fn sglang_marlin_compatible(q: &QuantInfo) -> Option<String> {
 struct Decision {
     method: Method,
     bits: u8,
-    group_size: i32,
+    group_size: GroupSize,
     sym: bool,
     desc_act: bool,
     rule: Option<String>,
@@ -200,11 +192,8 @@ const FLOATS: [Dtype; 3] = [Dtype::BF16, Dtype::F16, Dtype::F32];
 
 fn expect_member(e: &mut Expect, m: &Member, d: &Decision, engine: Engine) {
     let p = &m.prefix;
-    let g = if d.group_size > 0 {
-        m.k / d.group_size as usize
-    } else {
-        1
-    };
+    // The engines size `scales`/`qzeros` by floor division (`input_size // group_size`).
+    let g = d.group_size.columns().map_or(1, |g| m.k / g);
     let b = d.bits as usize;
     match d.method {
         Method::Unquantized => {
@@ -326,7 +315,7 @@ pub fn emulate(
                         "re-quantize with --bits 4 (or 8), symmetric, --group-size 128",
                     ));
                 }
-                if q.desc_act && q.group_size != -1 {
+                if q.desc_act && q.group_size != GroupSize::PerRow {
                     problems.push(Finding::new(
                         "desc_act is true: vLLM ≥ 0.30 refuses group activation ordering \
                          (\"desc_act=True is no longer supported\", PR #54809)",
@@ -410,7 +399,7 @@ pub fn emulate(
         let mut d = Decision {
             method: global,
             bits: quant.map_or(16, |q| q.bits),
-            group_size: quant.map_or(-1, |q| q.group_size),
+            group_size: quant.map_or(GroupSize::PerRow, |q| q.group_size),
             sym: quant.is_none_or(|q| q.sym),
             desc_act: quant.is_some_and(|q| q.desc_act),
             rule: None,
@@ -492,13 +481,17 @@ pub fn emulate(
             let n: usize = members.iter().map(|m| m.n).sum();
             let k = members[0].k;
             let mut why = vec![];
-            if !n.is_multiple_of(64) {
-                why.push(format!("out_features {n} is not a multiple of 64"));
+            if !n.is_multiple_of(MARLIN_N_MULTIPLE) {
+                why.push(format!(
+                    "out_features {n} is not a multiple of {MARLIN_N_MULTIPLE}"
+                ));
             }
-            if k % 128 != 0 {
-                why.push(format!("in_features {k} is not a multiple of 128"));
+            if !k.is_multiple_of(MARLIN_K_MULTIPLE) {
+                why.push(format!(
+                    "in_features {k} is not a multiple of {MARLIN_K_MULTIPLE}"
+                ));
             }
-            if d.group_size > 0 && (d.group_size as usize) < k && k % d.group_size as usize != 0 {
+            if d.group_size.columns().is_some_and(|g| g < k && k % g != 0) {
                 why.push(format!(
                     "in_features {k} is not a multiple of the group size"
                 ));
@@ -508,7 +501,7 @@ pub fn emulate(
             }
         }
         if d.method == Method::MarlinLegacy {
-            if d.group_size != 128 && d.group_size != -1 {
+            if d.group_size != GroupSize::G128 && d.group_size != GroupSize::PerRow {
                 problems.push(Finding::new(
                     &format!(
                         "{name}: group size {}; the legacy marlin method takes 128 or -1",

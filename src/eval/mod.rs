@@ -10,12 +10,12 @@
 
 use crate::checkpoint::Checkpoint;
 use crate::format::quantized::{
-    quantized_prefixes, read_module_codes, read_quant_info, validate_quantized, QuantInfo,
+    read_module_codes, read_quant_info, validate_quantized_modules, QuantInfo, QuantModule,
 };
 use crate::model::{AnyConfig, AnyLayer, AnyModel};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::path::Path;
 
 /// Evaluation text compiled into the binary (`--data default`): held out from calibration and
@@ -50,7 +50,8 @@ pub struct LoadedModel {
     pub cfg: AnyConfig,
     pub ck: Checkpoint,
     pub tokenizer: tokenizers::Tokenizer,
-    pub quant: Option<(QuantInfo, BTreeSet<String>)>,
+    /// The settings and every quantized module, validated once at open.
+    pub quant: Option<(QuantInfo, BTreeMap<String, QuantModule>)>,
 }
 
 impl LoadedModel {
@@ -60,9 +61,12 @@ impl LoadedModel {
         ck.check_finite()?;
         let quant = match read_quant_info(dir)? {
             Some(info) => {
-                validate_quantized(&ck, &info, &cfg.expected_tensors())?;
-                let prefixes = quantized_prefixes(&ck, &info).into_iter().collect();
-                Some((info, prefixes))
+                let modules =
+                    validate_quantized_modules(&ck, &info, Some(&cfg.expected_tensors()))?
+                        .into_iter()
+                        .map(|m| (m.prefix.clone(), m))
+                        .collect();
+                Some((info, modules))
             }
             None => {
                 ck.validate_exact(&cfg.expected_tensors())?;
@@ -85,13 +89,10 @@ impl LoadedModel {
     /// A tensor by its BF16-layout name; a quantized Linear's `.weight` is decoded from its
     /// stored codes and scales, on the GPU when `device` is one (bit-identical to the CPU decode).
     pub fn tensor(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
-        if let Some((info, prefixes)) = &self.quant {
-            if let Some(prefix) = name
-                .strip_suffix(".weight")
-                .filter(|p| prefixes.contains(*p))
-            {
-                let (codes, n, k) = read_module_codes(&self.ck, info, prefix)?;
-                return Ok(codes
+        if let Some((info, modules)) = &self.quant {
+            if let Some(m) = name.strip_suffix(".weight").and_then(|p| modules.get(p)) {
+                let (prefix, n, k) = (&m.prefix, m.n, m.k);
+                return Ok(read_module_codes(&self.ck, info, m)?
                     .dequantize_tensor(n, k, device)
                     .with_context(|| {
                         format!("dequantizing module {prefix} of {}", self.dir.display())
@@ -177,7 +178,7 @@ pub fn final_hidden_states(
         let ids = Tensor::from_vec(flat, (b.len(), seqlen), model.device())?;
         states.push(model.embed(&ids)?);
     }
-    let pb = crate::cli::progress::bar(model.num_layers() as u64, what);
+    let pb = crate::progress::bar(model.num_layers() as u64, what);
     for i in 0..model.num_layers() {
         let layer = lm.layer(i, model.dtype(), model.device())?;
         for h in states.iter_mut() {

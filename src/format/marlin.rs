@@ -11,6 +11,7 @@ use anyhow::{bail, ensure, Context, Result};
 use rayon::prelude::*;
 
 use super::pack::{pack_qweight, unpack_qweight};
+use crate::scheme::GroupSize;
 
 /// Rows of a Marlin tile: the k extent of one mma B fragment.
 const TILE_ROWS: usize = 16;
@@ -313,9 +314,30 @@ pub fn marlin_to_gptq_codes(
     pack_qweight(&codes, k, n, 4)
 }
 
+/// The group sizes the gptq_marlin kernels accept (vLLM `MARLIN_SUPPORTED_GROUP_SIZES`): the one
+/// list the packer, `inspect` and the engine emulation check.
+pub const MARLIN_GROUP_SIZES: [i64; 4] = [-1, 32, 64, 128];
+
+/// The kernels' shape limits (vLLM's `GPTQ_MARLIN_MIN_THREAD_K` and `_N`): in_features a multiple
+/// of `MARLIN_K_MULTIPLE`, out_features of `MARLIN_N_MULTIPLE`. The packer and the engine
+/// emulation check these two.
+pub const MARLIN_K_MULTIPLE: usize = 128;
+/// See `MARLIN_K_MULTIPLE`.
+pub const MARLIN_N_MULTIPLE: usize = 64;
+
+/// Whether the Marlin kernels take this group size.
+pub fn marlin_group_ok(g: GroupSize) -> bool {
+    MARLIN_GROUP_SIZES.contains(&g.to_i64())
+}
+
 /// Refuses a layer the Marlin format cannot hold, naming every reason with its values.
-/// `group_size` follows the GPTQ config: `-1` means one group over all of K.
-pub fn check_marlin_shape(k: usize, n: usize, group_size: i32, bits: u8, sym: bool) -> Result<()> {
+pub fn check_marlin_shape(
+    k: usize,
+    n: usize,
+    group_size: GroupSize,
+    bits: u8,
+    sym: bool,
+) -> Result<()> {
     let mut problems = Vec::new();
     if !sym {
         problems.push(
@@ -329,25 +351,24 @@ pub fn check_marlin_shape(k: usize, n: usize, group_size: i32, bits: u8, sym: bo
             "bits = {bits}, Marlin packing holds 4-bit codes only"
         ));
     }
-    // The gptq_marlin kernels accept these group sizes (vLLM MARLIN_SUPPORTED_GROUP_SIZES).
-    if ![-1, 32, 64, 128].contains(&group_size) {
+    if !marlin_group_ok(group_size) {
         problems.push(format!(
             "group size {group_size} is not one Marlin supports (-1, 32, 64 or 128)"
         ));
     }
-    if k == 0 || !k.is_multiple_of(128) {
+    if k == 0 || !k.is_multiple_of(MARLIN_K_MULTIPLE) {
         problems.push(format!(
-            "K (in_features) = {k} is not a positive multiple of 128"
+            "K (in_features) = {k} is not a positive multiple of {MARLIN_K_MULTIPLE}"
         ));
     }
-    if group_size > 0 && !k.is_multiple_of(group_size as usize) {
+    if k > 0 && !group_size.divides(k) {
         problems.push(format!(
             "K (in_features) = {k} is not a multiple of the group size {group_size}"
         ));
     }
-    if n == 0 || !n.is_multiple_of(64) {
+    if n == 0 || !n.is_multiple_of(MARLIN_N_MULTIPLE) {
         problems.push(format!(
-            "N (out_features) = {n} is not a positive multiple of 64"
+            "N (out_features) = {n} is not a positive multiple of {MARLIN_N_MULTIPLE}"
         ));
     }
     ensure!(
@@ -362,12 +383,12 @@ pub fn check_marlin_shape(k: usize, n: usize, group_size: i32, bits: u8, sym: bo
 mod tests {
     use super::*;
     use crate::format::pack::{dequantize_gptq, pack_qzeros, GptqTensors};
-    use crate::format::test_rng::XorShift;
+    use crate::rng::SplitMix64;
     use half::f16;
 
     const SHAPES: [(usize, usize); 4] = [(16, 64), (32, 128), (64, 256), (256, 192)];
 
-    fn random_codes(rng: &mut XorShift, len: usize) -> Vec<u8> {
+    fn random_codes(rng: &mut SplitMix64, len: usize) -> Vec<u8> {
         (0..len).map(|_| rng.below(16) as u8).collect()
     }
 
@@ -406,16 +427,16 @@ mod tests {
         codes
     }
 
-    fn random_permutation(rng: &mut XorShift, len: usize) -> Vec<usize> {
+    fn random_permutation(rng: &mut SplitMix64, len: usize) -> Vec<usize> {
         let mut perm: Vec<usize> = (0..len).collect();
         for i in (1..len).rev() {
-            perm.swap(i, rng.below(i as u32 + 1) as usize);
+            perm.swap(i, rng.below(i + 1));
         }
         perm
     }
 
     /// Dynamic act-order g_idx: column j's group is its position in a random processing order / g.
-    fn act_order_g_idx(rng: &mut XorShift, k: usize, group_size: usize) -> Vec<i32> {
+    fn act_order_g_idx(rng: &mut SplitMix64, k: usize, group_size: usize) -> Vec<i32> {
         let order = random_permutation(rng, k);
         let mut g_idx = vec![0i32; k];
         for (position, &col) in order.iter().enumerate() {
@@ -575,7 +596,7 @@ mod tests {
 
     #[test]
     fn known_answer_second_tile_row_and_column() {
-        let mut rng = XorShift::new(3);
+        let mut rng = SplitMix64::new(3);
         // K = 32: rows 16..31 are the second B row, laid out as a K = 16 matrix would be.
         let codes = random_codes(&mut rng, 32 * 64);
         let b = pack_marlin(&codes, 32, 64).unwrap();
@@ -592,7 +613,7 @@ mod tests {
 
     #[test]
     fn index_formula_matches_perm_table_method() {
-        let mut rng = XorShift::new(11);
+        let mut rng = SplitMix64::new(11);
         for (k, n) in SHAPES {
             let codes = random_codes(&mut rng, k * n);
             assert_eq!(
@@ -605,7 +626,7 @@ mod tests {
 
     #[test]
     fn pack_unpack_round_trip() {
-        let mut rng = XorShift::new(12);
+        let mut rng = SplitMix64::new(12);
         for (k, n) in SHAPES.into_iter().chain([(128, 64), (512, 320)]) {
             let codes = random_codes(&mut rng, k * n);
             let b = pack_marlin(&codes, k, n).unwrap();
@@ -630,7 +651,7 @@ mod tests {
 
     #[test]
     fn scale_permutation_round_trips_grouped_and_single() {
-        let mut rng = XorShift::new(21);
+        let mut rng = SplitMix64::new(21);
         for (groups, n) in [(4, 128), (2, 64), (1, 192), (1, 64)] {
             let scales: Vec<f16> = (0..groups * n)
                 .map(|_| f16::from_f32(rng.below(1000) as f32 / 997.0))
@@ -665,7 +686,7 @@ mod tests {
 
     #[test]
     fn trivial_act_order_keeps_rows_in_place() {
-        let mut rng = XorShift::new(31);
+        let mut rng = SplitMix64::new(31);
         let (k, n) = (256, 128);
         let codes = random_codes(&mut rng, k * n);
         let qweight = pack_qweight(&codes, k, n, 4).unwrap();
@@ -683,7 +704,7 @@ mod tests {
 
     #[test]
     fn dynamic_act_order_sorts_rows_and_round_trips() {
-        let mut rng = XorShift::new(32);
+        let mut rng = SplitMix64::new(32);
         for (k, n, group_size) in [(256, 128, 128), (384, 64, 32), (128, 192, 64)] {
             let codes = random_codes(&mut rng, k * n);
             let qweight = pack_qweight(&codes, k, n, 4).unwrap();
@@ -743,7 +764,7 @@ mod tests {
 
     #[test]
     fn marlin_dequant_equals_gptq_dequant_of_sorted_rows() {
-        let mut rng = XorShift::new(41);
+        let mut rng = SplitMix64::new(41);
         // (K, N, group size, dynamic act-order); group size K is per-channel (single scale perm).
         for (k, n, group_size, dynamic) in [
             (256, 128, 64, true),
@@ -753,7 +774,14 @@ mod tests {
             let groups = k / group_size;
             let codes = random_codes(&mut rng, k * n);
             let qweight = pack_qweight(&codes, k, n, 4).unwrap();
-            let qzeros = pack_qzeros(&vec![8u8; groups * n], groups, n, 4, true).unwrap();
+            let qzeros = pack_qzeros(
+                &vec![8u8; groups * n],
+                groups,
+                n,
+                4,
+                crate::scheme::QuantFormat::GptqV1,
+            )
+            .unwrap();
             let scales: Vec<f16> = (0..groups * n)
                 .map(|_| f16::from_f32(1e-3 * (1 + rng.below(5000)) as f32))
                 .collect();
@@ -771,7 +799,7 @@ mod tests {
                 k,
                 n,
                 bits: 4,
-                v1: true,
+                format: crate::scheme::QuantFormat::GptqV1,
             })
             .unwrap();
 
@@ -795,16 +823,17 @@ mod tests {
 
     #[test]
     fn check_marlin_shape_accepts_what_marlin_holds() {
-        for group_size in [-1, 32, 64, 128] {
+        for g in MARLIN_GROUP_SIZES {
+            let group_size = GroupSize::from_i64(g).unwrap();
             check_marlin_shape(4096, 4096, group_size, 4, true).unwrap();
         }
-        check_marlin_shape(128, 64, 128, 4, true).unwrap();
+        check_marlin_shape(128, 64, GroupSize::G128, 4, true).unwrap();
     }
 
     #[test]
     fn check_marlin_shape_refusals() {
-        let refusal = |k, n, g, bits, sym| {
-            check_marlin_shape(k, n, g, bits, sym)
+        let refusal = |k, n, g: i64, bits, sym| {
+            check_marlin_shape(k, n, GroupSize::from_i64(g).unwrap(), bits, sym)
                 .unwrap_err()
                 .to_string()
         };

@@ -33,28 +33,3 @@ pub use quantized::{
     read_module_codes, read_quant_info, validate_quantized, validate_quantized_modules,
     ModuleCodes, ModuleQuant, QuantFormat, QuantInfo, QuantModule,
 };
-
-/// Deterministic xorshift64 for the format tests (no rand dependency).
-#[cfg(test)]
-pub(crate) mod test_rng {
-    pub(crate) struct XorShift(u64);
-
-    impl XorShift {
-        pub(crate) fn new(seed: u64) -> Self {
-            // xorshift never leaves the all-zero state, so a zero seed is moved off it.
-            Self(seed.max(1))
-        }
-
-        pub(crate) fn next_u64(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-
-        /// Uniform enough in `0..bound` for test data (`bound` is tiny next to 2^64).
-        pub(crate) fn below(&mut self, bound: u32) -> u32 {
-            (self.next_u64() % u64::from(bound)) as u32
-        }
-    }
-}

@@ -9,6 +9,8 @@ use anyhow::{bail, ensure, Context, Result};
 use half::f16;
 use rayon::prelude::*;
 
+use crate::scheme::QuantFormat;
+
 /// GPTQ packs `bits`-wide fields LSB-first into a little-endian bit stream of 32-bit words, one
 /// stream per block of `vals` values taking `words` words: 2/4/8 bits fill one word exactly
 /// (`vals = 32/bits`); 3 bits fill three words with 32 values, fields 10 and 21 straddling a word
@@ -249,11 +251,18 @@ pub fn unpack_qweight(words: &[i32], k: usize, n: usize, bits: u8) -> Result<Vec
 
 /// Packs real zero points `[groups, N]` into `qzeros` `[groups, N·bits/32]` (packed along N).
 ///
-/// `v1` (`checkpoint_format: "gptq"`) stores `zero − 1`, so sym 4-bit gives `0x77777777` in every
+/// GPTQ v1 (`checkpoint_format: "gptq"`) stores `zero − 1`, so sym 4-bit gives `0x77777777` in every
 /// word. A zero of 0 has no v1 encoding: it is refused rather than borrowed from the neighbouring
 /// code as GPTQModel's v2→v1 word subtraction does, because readers would then load different
 /// zeros than the quantizer used. Asymmetric checkpoints with such zeros need `gptq_v2`.
-pub fn pack_qzeros(zeros: &[u8], groups: usize, n: usize, bits: u8, v1: bool) -> Result<Vec<i32>> {
+pub fn pack_qzeros(
+    zeros: &[u8],
+    groups: usize,
+    n: usize,
+    bits: u8,
+    format: QuantFormat,
+) -> Result<Vec<i32>> {
+    let v1 = format.zeros_minus_one();
     let lay = layout(bits)?;
     ensure!(
         n.is_multiple_of(lay.vals),
@@ -296,15 +305,16 @@ pub fn pack_qzeros(zeros: &[u8], groups: usize, n: usize, bits: u8, v1: bool) ->
 
 /// Inverse of [`pack_qzeros`]: real zero points `[groups, N]`.
 ///
-/// For `v1` it adds 1 after masking each field, as the engines' readers do, so an all-ones field
+/// For GPTQ v1 it adds 1 after masking each field, as the engines' readers do, so an all-ones field
 /// reads as `2^bits` (GPTQModel's borrow artefact); hence `u16`, which holds 256 for 8 bits.
 pub fn unpack_qzeros(
     words: &[i32],
     groups: usize,
     n: usize,
     bits: u8,
-    v1: bool,
+    format: QuantFormat,
 ) -> Result<Vec<u16>> {
+    let v1 = format.zeros_minus_one();
     let lay = layout(bits)?;
     ensure!(
         n.is_multiple_of(lay.vals),
@@ -341,8 +351,8 @@ pub struct GptqTensors<'a> {
     pub k: usize,
     pub n: usize,
     pub bits: u8,
-    /// `checkpoint_format: "gptq"` (zeros stored minus one) rather than `"gptq_v2"`.
-    pub v1: bool,
+    /// GPTQ v1 (zeros stored minus one) or v2.
+    pub format: QuantFormat,
 }
 
 /// Dequantizes to `Wᵀ` `[K, N]` row-major (the layout GPTQ and Marlin store codes in, so rows
@@ -357,7 +367,7 @@ pub fn dequantize_gptq(t: &GptqTensors) -> Result<Vec<f32>> {
         k,
         n,
         bits,
-        v1,
+        format,
     } = *t;
     ensure!(n > 0, "cannot dequantize a GPTQ tensor with N = 0");
     ensure!(
@@ -378,7 +388,7 @@ pub fn dequantize_gptq(t: &GptqTensors) -> Result<Vec<f32>> {
         );
     }
     let codes = unpack_qweight(qweight, k, n, bits).context("dequantizing qweight")?;
-    let zeros = unpack_qzeros(qzeros, groups, n, bits, v1).context("dequantizing qzeros")?;
+    let zeros = unpack_qzeros(qzeros, groups, n, bits, format).context("dequantizing qzeros")?;
     let mut weights = vec![0f32; k * n];
     weights
         .par_chunks_mut(n)
@@ -442,7 +452,18 @@ pub fn f16_le_bytes_to_f32(bytes: &[u8]) -> Result<Vec<f32>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::test_rng::XorShift;
+
+    const V1: QuantFormat = QuantFormat::GptqV1;
+    const V2: QuantFormat = QuantFormat::GptqV2;
+
+    fn fmt(v1: bool) -> QuantFormat {
+        if v1 {
+            V1
+        } else {
+            V2
+        }
+    }
+    use crate::rng::SplitMix64;
 
     #[test]
     fn qweight_known_words_for_each_width() {
@@ -481,7 +502,7 @@ mod tests {
 
     #[test]
     fn three_bit_fields_straddle_words_as_autogptq_packs_them() {
-        let mut rng = XorShift::new(3);
+        let mut rng = SplitMix64::new(3);
         let (k, n) = (64, 5);
         let codes: Vec<u8> = (0..k * n).map(|_| rng.below(8) as u8).collect();
         let words = pack_qweight(&codes, k, n, 3).unwrap();
@@ -510,24 +531,26 @@ mod tests {
             vec![0x4000_0000, 1, 0]
         );
         // qzeros use the same stream along N; sym 3-bit v1 stores 3 in every field.
-        let z = pack_qzeros(&[4; 32], 1, 32, 3, true).unwrap();
+        let z = pack_qzeros(&[4; 32], 1, 32, 3, V1).unwrap();
         assert_eq!(
             z.iter().map(|&w| w as u32).collect::<Vec<_>>(),
             reference_3bit_words(&[3; 32]).to_vec()
         );
-        assert_eq!(unpack_qzeros(&z, 1, 32, 3, true).unwrap(), vec![4; 32]);
+        assert_eq!(unpack_qzeros(&z, 1, 32, 3, V1).unwrap(), vec![4; 32]);
     }
 
     #[test]
     fn packing_from_rows_equals_packing_the_transpose() {
-        let mut rng = XorShift::new(11);
+        let mut rng = SplitMix64::new(11);
         for bits in [2u8, 3, 4, 8] {
             let maxq = (1u32 << bits) - 1;
             for (n, k) in [(5, 32), (64, 256), (96, 1024), (3, 96)] {
                 if k % block_shape(bits).unwrap().0 != 0 {
                     continue;
                 }
-                let nk: Vec<u8> = (0..n * k).map(|_| rng.below(maxq + 1) as u8).collect();
+                let nk: Vec<u8> = (0..n * k)
+                    .map(|_| rng.below(maxq as usize + 1) as u8)
+                    .collect();
                 let mut kn = vec![0u8; k * n];
                 for r in 0..n {
                     for c in 0..k {
@@ -566,19 +589,19 @@ mod tests {
     fn sym_4bit_qzeros_are_0x77777777_in_v1_and_0x88888888_in_v2() {
         let (groups, n) = (3, 16);
         let zeros = vec![8u8; groups * n];
-        let v1 = pack_qzeros(&zeros, groups, n, 4, true).unwrap();
+        let v1 = pack_qzeros(&zeros, groups, n, 4, V1).unwrap();
         assert_eq!(v1, vec![2004318071; groups * n / 8]);
         assert_eq!(0x77777777, 2004318071);
-        let v2 = pack_qzeros(&zeros, groups, n, 4, false).unwrap();
+        let v2 = pack_qzeros(&zeros, groups, n, 4, V2).unwrap();
         assert_eq!(v2, vec![0x8888_8888u32 as i32; groups * n / 8]);
-        let back: Vec<u16> = unpack_qzeros(&v1, groups, n, 4, true).unwrap();
+        let back: Vec<u16> = unpack_qzeros(&v1, groups, n, 4, V1).unwrap();
         assert!(back.iter().all(|&z| z == 8));
     }
 
     #[test]
     fn qzeros_pack_along_n() {
         let zeros: Vec<u8> = (1..=16).map(|z| (z % 15 + 1) as u8).collect();
-        let words = pack_qzeros(&zeros, 2, 8, 4, false).unwrap();
+        let words = pack_qzeros(&zeros, 2, 8, 4, V2).unwrap();
         assert_eq!(words, vec![0x98765432u32 as i32, 0x21FEDCBA]);
     }
 
@@ -586,17 +609,17 @@ mod tests {
     fn v1_refuses_a_zero_point_of_zero() {
         let mut zeros = vec![8u8; 16];
         zeros[11] = 0;
-        let err = pack_qzeros(&zeros, 2, 8, 4, true).unwrap_err().to_string();
+        let err = pack_qzeros(&zeros, 2, 8, 4, V1).unwrap_err().to_string();
         assert!(err.contains("[group=1, n=3]"), "{err}");
         assert!(err.contains("gptq_v2"), "{err}");
-        assert!(pack_qzeros(&zeros, 2, 8, 4, false).is_ok());
+        assert!(pack_qzeros(&zeros, 2, 8, 4, V2).is_ok());
     }
 
     #[test]
     fn v1_reader_turns_an_all_ones_field_into_two_to_the_bits() {
-        let zeros = unpack_qzeros(&[-1], 1, 8, 4, true).unwrap();
+        let zeros = unpack_qzeros(&[-1], 1, 8, 4, V1).unwrap();
         assert_eq!(zeros, vec![16; 8]);
-        let zeros = unpack_qzeros(&[-1], 1, 4, 8, true).unwrap();
+        let zeros = unpack_qzeros(&[-1], 1, 4, 8, V1).unwrap();
         assert_eq!(zeros, vec![256; 4]);
     }
 
@@ -618,9 +641,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("code 16 at [k=2, n=0]"), "{err}");
-        let err = pack_qzeros(&[8; 12], 1, 12, 4, true)
-            .unwrap_err()
-            .to_string();
+        let err = pack_qzeros(&[8; 12], 1, 12, 4, V1).unwrap_err().to_string();
         assert!(err.contains("N = 12"), "{err}");
         let err = unpack_qweight(&[0; 3], 16, 2, 4).unwrap_err().to_string();
         assert!(err.contains("must hold 4 words, got 3"), "{err}");
@@ -630,17 +651,19 @@ mod tests {
 
     #[test]
     fn qweight_and_qzeros_round_trip_random_values() {
-        let mut rng = XorShift::new(0x5eed);
+        let mut rng = SplitMix64::new(0x5eed);
         for bits in [2u8, 3, 4, 8] {
             let maxq = (1u32 << bits) - 1;
             for (k, n) in [(32, 32), (64, 96), (256, 128), (128, 16)] {
-                let codes: Vec<u8> = (0..k * n).map(|_| rng.below(maxq + 1) as u8).collect();
+                let codes: Vec<u8> = (0..k * n)
+                    .map(|_| rng.below(maxq as usize + 1) as u8)
+                    .collect();
                 let words = pack_qweight(&codes, k, n, bits).unwrap();
                 assert_eq!(words.len(), k * bits as usize / 32 * n);
                 assert_eq!(unpack_qweight(&words, k, n, bits).unwrap(), codes);
 
                 if n % block_shape(bits).unwrap().0 != 0 {
-                    let err = pack_qzeros(&vec![1; n], 1, n, bits, false).unwrap_err();
+                    let err = pack_qzeros(&vec![1; n], 1, n, bits, V2).unwrap_err();
                     assert!(err.to_string().contains(&format!("N = {n}")), "{err}");
                     continue;
                 }
@@ -648,11 +671,11 @@ mod tests {
                 for v1 in [true, false] {
                     let lowest = u32::from(v1);
                     let zeros: Vec<u8> = (0..groups * n)
-                        .map(|_| (lowest + rng.below(maxq + 1 - lowest)) as u8)
+                        .map(|_| (lowest as usize + rng.below((maxq + 1 - lowest) as usize)) as u8)
                         .collect();
-                    let packed = pack_qzeros(&zeros, groups, n, bits, v1).unwrap();
+                    let packed = pack_qzeros(&zeros, groups, n, bits, fmt(v1)).unwrap();
                     assert_eq!(packed.len(), groups * n * bits as usize / 32);
-                    let back = unpack_qzeros(&packed, groups, n, bits, v1).unwrap();
+                    let back = unpack_qzeros(&packed, groups, n, bits, fmt(v1)).unwrap();
                     assert!(back.iter().zip(&zeros).all(|(&b, &z)| b == u16::from(z)));
                 }
             }
@@ -662,7 +685,7 @@ mod tests {
     #[test]
     fn dequantize_follows_g_idx_scales_and_zeros() {
         let (k, n, bits) = (16, 8, 4);
-        let mut rng = XorShift::new(7);
+        let mut rng = SplitMix64::new(7);
         let codes: Vec<u8> = (0..k * n).map(|_| rng.below(16) as u8).collect();
         let zeros: Vec<u8> = (0..2 * n).map(|_| 1 + rng.below(15) as u8).collect();
         let scales: Vec<f32> = (0..2 * n).map(|i| 0.01 * (i + 1) as f32).collect();
@@ -670,7 +693,7 @@ mod tests {
         let g_idx: Vec<i32> = (0..k).map(|row| ((row * 5) % k / 8) as i32).collect();
         let qweight = pack_qweight(&codes, k, n, bits).unwrap();
         for v1 in [true, false] {
-            let qzeros = pack_qzeros(&zeros, 2, n, bits, v1).unwrap();
+            let qzeros = pack_qzeros(&zeros, 2, n, bits, fmt(v1)).unwrap();
             let tensors = GptqTensors {
                 qweight: &qweight,
                 qzeros: &qzeros,
@@ -679,7 +702,7 @@ mod tests {
                 k,
                 n,
                 bits,
-                v1,
+                format: fmt(v1),
             };
             let weights = dequantize_gptq(&tensors).unwrap();
             for row in 0..k {
@@ -697,7 +720,7 @@ mod tests {
     fn dequantize_known_value_and_bad_g_idx() {
         // One row group, sym 4-bit: code 3 with zero 8 and scale 0.5 is -2.5.
         let qweight = pack_qweight(&[3, 0, 0, 0, 0, 0, 0, 0], 8, 1, 4).unwrap();
-        let qzeros = pack_qzeros(&[8; 8], 1, 8, 4, true).unwrap();
+        let qzeros = pack_qzeros(&[8; 8], 1, 8, 4, V1).unwrap();
         let qweight = [qweight[0]; 8];
         let scales = [0.5f32; 8];
         let mut tensors = GptqTensors {
@@ -708,7 +731,7 @@ mod tests {
             k: 8,
             n: 8,
             bits: 4,
-            v1: true,
+            format: V1,
         };
         let weights = dequantize_gptq(&tensors).unwrap();
         assert_eq!(weights[0], -2.5);

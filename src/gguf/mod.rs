@@ -561,7 +561,7 @@ pub fn import_gguf(opts: &ImportOptions) -> Result<ImportReport> {
         specs.iter().map(TensorSpec::nbytes).sum(),
         "the tensors",
     )?;
-    let pb = crate::cli::progress::bar(specs.len() as u64, "import");
+    let pb = crate::progress::bar(specs.len() as u64, "import");
     writer::write_sharded(&dir, &specs, opts.shard_bytes, |spec, w| {
         let (_, shape, src, heads) = plan
             .iter()

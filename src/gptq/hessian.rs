@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use crate::checkpoint::{Checkpoint, Dtype};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 
@@ -164,14 +165,14 @@ impl HessianAccumulator {
                 serde_json::to_string(&self.modules)?,
             ),
         ]);
-        let mut partial = path.as_os_str().to_owned();
-        partial.push(".partial");
-        let partial = Path::new(&partial);
-        safetensors::serialize_to_file([(XTX_NAME, view)], Some(metadata), partial)
-            .with_context(|| format!("writing Hessian file {}", partial.display()))?;
-        std::fs::rename(partial, path)
-            .with_context(|| format!("renaming {} into place", partial.display()))?;
-        Ok(())
+        crate::checkpoint::writer::write_atomic(path, |tmp| {
+            Ok(safetensors::serialize_to_file(
+                [(XTX_NAME, view)],
+                Some(metadata),
+                tmp,
+            )?)
+        })
+        .with_context(|| format!("writing Hessian file {}", path.display()))
     }
 
     /// Reads a file written by [`save`](Self::save) onto `device`, validating it.
@@ -180,10 +181,15 @@ impl HessianAccumulator {
             .with_context(|| format!("invalid Hessian file {}", path.display()))
     }
 
+    /// Read through the checkpoint reader, the one safetensors parser of the tool (header,
+    /// offsets and sizes checked as for model shards).
     fn load_inner(path: &Path, device: &Device) -> Result<Self> {
-        let bytes = std::fs::read(path)?;
-        let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)?;
-        let meta = header.metadata().clone().unwrap_or_default();
+        let (dir, file) = match (path.parent(), path.file_name().and_then(|f| f.to_str())) {
+            (Some(d), Some(f)) => (d, f.to_string()),
+            _ => bail!("not a file path"),
+        };
+        let ck = Checkpoint::open_files(dir, &[file])?;
+        let meta = &ck.shards[0].metadata;
         if meta.get(META_FORMAT).map(String::as_str) != Some(FORMAT_NAME) {
             bail!("metadata `{META_FORMAT}` is not `{FORMAT_NAME}`");
         }
@@ -197,26 +203,25 @@ impl HessianAccumulator {
                 .context("metadata `modules` missing")?,
         )
         .context("metadata `modules` is not a JSON array of strings")?;
-        let st = safetensors::SafeTensors::deserialize(&bytes)?;
-        let view = st.tensor(XTX_NAME).context("tensor `xtx` missing")?;
-        if view.dtype() != safetensors::Dtype::F32 {
-            bail!("tensor `xtx` is {:?}, expected F32", view.dtype());
+        let entry = ck.get(XTX_NAME).context("tensor `xtx` missing")?;
+        if entry.dtype != Dtype::F32 {
+            bail!("tensor `xtx` is {}, expected F32", entry.dtype.name());
         }
-        let &[k, k2] = view.shape() else {
-            bail!("tensor `xtx` has shape {:?}, expected [K, K]", view.shape());
+        let &[k, k2] = entry.shape.as_slice() else {
+            bail!("tensor `xtx` has shape {:?}, expected [K, K]", entry.shape);
         };
         if k != k2 || k == 0 {
             bail!("tensor `xtx` has shape [{k}, {k2}], expected a square [K, K]");
         }
-        if view
-            .data()
+        let data = ck.bytes(XTX_NAME)?;
+        if data
             .chunks_exact(4)
             .any(|b| !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite())
         {
             bail!("tensor `xtx` contains NaN or Inf");
         }
-        let xtx = Tensor::from_raw_buffer(view.data(), DType::F32, &[k, k], &Device::Cpu)?
-            .to_device(device)?;
+        let xtx =
+            Tensor::from_raw_buffer(data, DType::F32, &[k, k], &Device::Cpu)?.to_device(device)?;
         Ok(Self {
             xtx,
             tokens,
@@ -239,15 +244,8 @@ mod tests {
 
     /// Deterministic pseudo-random values in [-1, 1) for inputs.
     fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
+        let mut rng = crate::rng::SplitMix64::new(seed);
+        (0..n).map(|_| rng.uniform()).collect()
     }
 
     fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {

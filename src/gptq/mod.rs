@@ -9,17 +9,17 @@
 //!   lazy updates (f32) in static, dynamic or no act-order; [`rtn_quantize`] is the no-feedback
 //!   baseline with the same quantizer.
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod hessian;
+mod plan;
 mod quantizer;
 mod solver;
 
 pub use hessian::HessianAccumulator;
+pub use plan::{ParamsAt, SolvePlan};
 pub use quantizer::{dequantize_code, quantize_code, QuantParams};
-#[cfg(feature = "cuda")]
-pub(crate) use solver::{
-    check_finite_one, dead_columns_and_order, not_positive_definite, FactorData,
-};
 pub use solver::{
-    factorize, gptq_quantize, gptq_quantize_factored, rtn_quantize, ActOrder, Factorization,
-    QuantizedLinear, SolveOptions, SolveTimings,
+    factorize, gptq_quantize, gptq_quantize_factored, rtn_quantize, valid_damp, ActOrder,
+    Factorization, QuantizedLinear, SolveOptions, SolveTimings,
 };

@@ -8,6 +8,8 @@ use std::ops::Range;
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
+use crate::scheme::GroupSize;
+
 /// Grid search of the MSE option (IST `quant.py` defaults): shrink factors `1 - i/GRID` for
 /// `i < MAX_SHRINK·GRID`, error measured as `Σ|q - x|^NORM`.
 const MSE_GRID: usize = 100;
@@ -19,8 +21,8 @@ const MSE_NORM: f32 = 2.4;
 pub struct QuantParams {
     /// Bits per weight, 2..=8.
     pub bits: u8,
-    /// Columns (input features) sharing one scale/zero per output row; -1 = one group over all of K.
-    pub group_size: i64,
+    /// Columns (input features) sharing one scale/zero per output row.
+    pub group_size: GroupSize,
     /// Symmetric: zero fixed at (maxq+1)/2 and the range centred on 0.
     pub sym: bool,
     /// Shrink the min/max range by the MSE grid search (docs/algorithm.md, The quantizer;
@@ -33,7 +35,7 @@ impl Default for QuantParams {
     fn default() -> Self {
         Self {
             bits: 4,
-            group_size: 128,
+            group_size: GroupSize::G128,
             sym: true,
             mse: false,
         }
@@ -45,32 +47,12 @@ impl QuantParams {
         if !(2..=8).contains(&self.bits) {
             bail!("bits must be in 2..=8, got {}", self.bits);
         }
-        if self.group_size != -1 && self.group_size <= 0 {
-            bail!(
-                "group size must be positive or -1 (one group), got {}",
-                self.group_size
-            );
-        }
         Ok(())
     }
 
     /// Largest code, `2^bits - 1`, as f32 because the quantizer computes in f32.
     pub fn maxq(&self) -> f32 {
         ((1u32 << self.bits) - 1) as f32
-    }
-
-    /// Columns per group for a matrix with `k` columns (`k` itself for group size -1).
-    pub fn group_len(&self, k: usize) -> usize {
-        if self.group_size < 0 {
-            k
-        } else {
-            self.group_size as usize
-        }
-    }
-
-    /// Number of groups over `k` columns; a last partial group counts as one.
-    pub fn n_groups(&self, k: usize) -> usize {
-        k.div_ceil(self.group_len(k).max(1))
     }
 
     /// Scale and zero of every row of `w` (row-major, `row_len` columns per row) over the columns
@@ -227,7 +209,7 @@ mod tests {
                 for mse in [false, true] {
                     let q = QuantParams {
                         bits,
-                        group_size: 64,
+                        group_size: GroupSize::from_i64(64).unwrap(),
                         sym,
                         mse,
                     };
@@ -248,13 +230,8 @@ mod tests {
     fn mse_search_clips_bell_shaped_rows() {
         // Bell-shaped values (sum of uniforms): clipping the rare tails lowers Σ|q-x|^2.4, so the
         // search must pick a smaller scale than min/max and a lower error.
-        let mut state = 7u32;
-        let mut uniform = || {
-            state ^= state << 13;
-            state ^= state >> 17;
-            state ^= state << 5;
-            state as f32 / u32::MAX as f32 - 0.5
-        };
+        let mut rng = crate::rng::SplitMix64::new(7);
+        let mut uniform = || rng.uniform() / 2.0;
         let x: Vec<f32> = (0..128)
             .map(|_| (0..4).map(|_| uniform()).sum::<f32>())
             .collect();
@@ -295,25 +272,10 @@ mod tests {
         assert!(QuantParams { bits: 1, ..sym4() }.validate().is_err());
         assert!(QuantParams { bits: 9, ..sym4() }.validate().is_err());
         assert!(QuantParams {
-            group_size: 0,
-            ..sym4()
-        }
-        .validate()
-        .is_err());
-        assert!(QuantParams {
-            group_size: -1,
+            group_size: GroupSize::PerRow,
             ..sym4()
         }
         .validate()
         .is_ok());
-        assert_eq!(
-            QuantParams {
-                group_size: -1,
-                ..sym4()
-            }
-            .n_groups(300),
-            1
-        );
-        assert_eq!(sym4().n_groups(300), 3);
     }
 }

@@ -21,21 +21,9 @@ use faer::prelude::{Reborrow, ReborrowMut};
 use faer::{Accum, MatMut, MatRef, Par};
 use rayon::prelude::*;
 
+use super::plan::{ParamsAt, SolvePlan};
 use super::quantizer::{dequantize_code, quantize_code, QuantParams};
-
-/// Column order of the solve (docs/decisions.md, Static act-order by default).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum ActOrder {
-    /// Descending diag(H) order, group parameters fixed per original group before the loop
-    /// (`desc_act` + `static_groups`): `g_idx[k] = k / g`, nothing extra on disk.
-    #[default]
-    Static,
-    /// Classic `desc_act`: descending diag(H) order, parameters found when a group of processing
-    /// positions starts: `g_idx[j] = invperm[j] / g`.
-    Dynamic,
-    /// Natural column order.
-    Off,
-}
+pub use crate::scheme::ActOrder;
 
 #[derive(Clone, Debug)]
 pub struct SolveOptions {
@@ -66,12 +54,17 @@ impl SolveOptions {
         self.quant.validate()?;
         ensure!(self.block_size > 0, "block size must be positive");
         ensure!(
-            self.damp > 0.0 && self.damp <= 1.0,
-            "damp must be in (0, 1], got {}",
+            valid_damp(self.damp),
+            "damp must be in (0, 1), got {}",
             self.damp
         );
         Ok(())
     }
+}
+
+/// Whether `d` is a valid initial damping fraction: in (0, 1) (escalation may then reach 1).
+pub fn valid_damp(d: f64) -> bool {
+    d > 0.0 && d < 1.0
 }
 
 /// Wall-clock seconds of the two expensive phases of a solve.
@@ -185,7 +178,7 @@ pub fn factorize(h: &Tensor, opts: &SolveOptions) -> Result<Factorization> {
     );
     #[cfg(feature = "cuda")]
     if h.device().is_cuda() {
-        return crate::kernels::cuda::factorize(h, opts);
+        return super::cuda::factorize(h, opts);
     }
     let t = Instant::now();
     let k = hk;
@@ -208,7 +201,7 @@ pub fn factorize(h: &Tensor, opts: &SolveOptions) -> Result<Factorization> {
 }
 
 /// GPTQ-quantizes `w` (`[N, K]`, any float dtype) with the Hessian `h` (`[K, K]`) of its inputs.
-/// On a CUDA device the whole solve runs there (`kernels::cuda`); elsewhere on the CPU. Both
+/// On a CUDA device the whole solve runs there (`gptq/cuda.rs`); elsewhere on the CPU. Both
 /// follow the same steps; see the module docs.
 pub fn gptq_quantize(w: &Tensor, h: &Tensor, opts: &SolveOptions) -> Result<QuantizedLinear> {
     gptq_quantize_factored(w, &factorize(h, opts)?, opts)
@@ -235,10 +228,11 @@ pub fn gptq_quantize_factored(
         f.act_order,
         opts.act_order
     );
+    let plan = SolvePlan::new(&f.perm, opts.quant.group_size, opts.act_order);
     match &f.u {
-        FactorData::Cpu(u) => Ok(solve_factored(w, f, u, opts)?.0),
+        FactorData::Cpu(u) => Ok(solve_factored(w, f, u, plan, opts)?.0),
         #[cfg(feature = "cuda")]
-        FactorData::Cuda(u) => crate::kernels::cuda::gptq_solve(w, f, u, opts),
+        FactorData::Cuda(u) => super::cuda::solve(w, f, u, &plan, opts),
     }
 }
 
@@ -282,7 +276,8 @@ pub fn rtn_quantize(w: &Tensor, opts: &SolveOptions) -> Result<QuantizedLinear> 
     let (n, k) = matrix_dims(w, "weight", &opts.module)?;
     let w = finite_f32(w, "weight", &opts.module)?;
     let quant = &opts.quant;
-    let g = quant.group_len(k);
+    let plan = SolvePlan::natural(k, quant.group_size);
+    let g = plan.group_len;
     let (scales, zeros) = natural_group_params(quant, &w, k);
     let maxq = quant.maxq();
     let mut codes = vec![0u8; n * k];
@@ -310,7 +305,7 @@ pub fn rtn_quantize(w: &Tensor, opts: &SolveOptions) -> Result<QuantizedLinear> 
         codes,
         scales,
         zeros: zeros.iter().map(|&z| z as u8).collect(),
-        g_idx: (0..k).map(|j| (j / g) as i32).collect(),
+        g_idx: plan.g_idx,
         loss,
         damp_used: 0.0,
         dead_columns: 0,
@@ -329,26 +324,28 @@ fn solve(
 ) -> Result<(QuantizedLinear, Vec<f32>, Vec<usize>)> {
     let f = factorize(&h.to_device(&Device::Cpu)?, opts)?;
     let u = f.u.cpu().expect("a CPU Hessian gives a CPU factorization");
-    solve_factored(&w.to_device(&Device::Cpu)?, &f, u, opts)
+    let plan = SolvePlan::new(&f.perm, opts.quant.group_size, opts.act_order);
+    solve_factored(&w.to_device(&Device::Cpu)?, &f, u, plan, opts)
 }
 
-/// The CPU solve of `w` with the factorization `f` (whose U is `u`, column-major).
+/// The CPU solve of `w` with the factorization `f` (whose U is `u`, column-major), following
+/// `plan`.
 fn solve_factored(
     w: &Tensor,
     f: &Factorization,
     u: &[f32],
+    plan: SolvePlan,
     opts: &SolveOptions,
 ) -> Result<(QuantizedLinear, Vec<f32>, Vec<usize>)> {
     let module = &opts.module;
     let quant = &opts.quant;
     let (n, k) = matrix_dims(w, "weight", module)?;
     let mut w = finite_f32(w, "weight", module)?;
-    let g = quant.group_len(k);
-    let n_groups = quant.n_groups(k);
+    let n_groups = plan.n_groups;
 
     // With one group the parameters come from the whole matrix, before dead columns are zeroed
     // (docs/algorithm.md, Post-processing).
-    let whole = (quant.group_size < 0).then(|| quant.find_params(&w, k, 0..k));
+    let whole = (plan.params_at == ParamsAt::Whole).then(|| quant.find_params(&w, k, 0..k));
 
     // Dead columns (docs/algorithm.md, Preprocessing of H): an input that was always zero has no
     // curvature; its weights cannot matter, drop them.
@@ -358,32 +355,21 @@ fn solve_factored(
         }
     }
 
-    // Group parameters, [n_groups, N]. Fixed before the loop for one group or static groups
-    // (from the dead-zeroed weights in original order: docs/algorithm.md, Post-processing);
-    // otherwise found inside the loop.
-    let find_in_loop = whole.is_none() && opts.act_order != ActOrder::Static;
-    let (mut scales, mut zeros) = match whole {
-        Some(params) => params,
-        None if find_in_loop => (vec![0.0; n_groups * n], vec![0.0; n_groups * n]),
-        None => natural_group_params(quant, &w, k),
+    // Group parameters, [n_groups, N], when the plan fixes them before the loop.
+    let (mut scales, mut zeros) = match (whole, plan.params_at) {
+        (Some(params), _) => params,
+        (None, ParamsAt::BeforeLoop) => natural_group_params(quant, &w, k),
+        (None, _) => (vec![0.0; n_groups * n], vec![0.0; n_groups * n]),
     };
 
-    let perm = f.perm.clone();
-    let mut invperm = vec![0usize; k];
-    for (c, &j) in perm.iter().enumerate() {
-        invperm[j] = c;
-    }
-    // Scale/zero row used at each processing position: static rows are original groups.
-    let param_row: Vec<usize> = match opts.act_order {
-        ActOrder::Static => perm.iter().map(|&j| j / g).collect(),
-        ActOrder::Dynamic | ActOrder::Off => (0..k).map(|c| c / g).collect(),
-    };
+    let perm = &plan.perm;
+    let param_row = &plan.param_row;
     let mut w_perm = vec![0.0f32; n * k];
     w_perm
         .par_chunks_mut(k)
         .zip(w.par_chunks(k))
         .for_each(|(dst, src)| {
-            for (d, &j) in dst.iter_mut().zip(&perm) {
+            for (d, &j) in dst.iter_mut().zip(perm) {
                 *d = src[j];
             }
         });
@@ -402,17 +388,14 @@ fn solve_factored(
     for i1 in (0..k).step_by(blocksize) {
         let i2 = (i1 + blocksize).min(k);
         let width = i2 - i1;
-        if find_in_loop {
-            // Parameters of a group starting in this block come from W as it stands now: with the
-            // lazy updates of earlier blocks, without this block's in-block updates
-            // (docs/algorithm.md, Numerical pitfalls; as in every reference tool: exact when g is a
-            // multiple of blocksize).
-            for c in (i1..i2).filter(|c| c % g == 0) {
-                let (s, z) = quant.find_params(&w, k, c..(c + g).min(k));
-                let t = c / g;
-                scales[t * n..(t + 1) * n].copy_from_slice(&s);
-                zeros[t * n..(t + 1) * n].copy_from_slice(&z);
-            }
+        // Parameters of a group starting in this block come from W as it stands now: with the
+        // lazy updates of earlier blocks, without this block's in-block updates
+        // (docs/algorithm.md, Numerical pitfalls; as in every reference tool: exact when g is a
+        // multiple of blocksize).
+        for t in plan.groups_starting_in(i1..i2) {
+            let (s, z) = quant.find_params(&w, k, plan.group_cols(t));
+            scales[t * n..(t + 1) * n].copy_from_slice(&s);
+            zeros[t * n..(t + 1) * n].copy_from_slice(&z);
         }
         // U1 = U[i1:i2, i1:i2] row-major, so each row's in-block update reads contiguous memory.
         let u1 = &mut u1_buf[..width * width];
@@ -467,30 +450,24 @@ fn solve_factored(
     }
     let loop_s = t_loop.elapsed().as_secs_f64();
 
-    // g_idx per original column; scale rows are already in the order g_idx refers to
-    // (docs/algorithm.md, Post-processing).
-    let g_idx = match opts.act_order {
-        ActOrder::Dynamic => invperm.iter().map(|&c| (c / g) as i32).collect(),
-        ActOrder::Static | ActOrder::Off => (0..k).map(|j| (j / g) as i32).collect(),
-    };
     let linear = QuantizedLinear {
         n,
         k,
         codes,
         scales,
         zeros: zeros.iter().map(|&z| z as u8).collect(),
-        g_idx,
+        g_idx: plan.g_idx.clone(),
         loss,
         damp_used,
         dead_columns: f.dead.len(),
         timings: SolveTimings { factor_s, loop_s },
     };
-    Ok((linear, w, perm))
+    Ok((linear, w, plan.perm))
 }
 
 /// Scale/zero of each natural group `[t·g, (t+1)·g)`, `[n_groups, N]`.
 fn natural_group_params(quant: &QuantParams, w: &[f32], k: usize) -> (Vec<f32>, Vec<f32>) {
-    let g = quant.group_len(k);
+    let g = quant.group_size.len(k);
     let (mut scales, mut zeros) = (Vec::new(), Vec::new());
     for start in (0..k).step_by(g) {
         let (s, z) = quant.find_params(w, k, start..(start + g).min(k));
@@ -618,33 +595,8 @@ fn finite_f32(t: &Tensor, what: &str, module: &str) -> Result<Vec<f32>> {
 mod tests {
     use super::*;
     use crate::gptq::HessianAccumulator;
-
-    /// splitmix64 with Box–Muller normals: deterministic test data without the rand crate.
-    struct Rng(u64);
-
-    impl Rng {
-        fn next_u64(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        }
-
-        /// Uniform in (0, 1].
-        fn uniform(&mut self) -> f64 {
-            ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
-        }
-
-        fn gaussian(&mut self) -> f64 {
-            let (u1, u2) = (self.uniform(), self.uniform());
-            (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
-        }
-
-        fn gaussians(&mut self, n: usize) -> Vec<f32> {
-            (0..n).map(|_| self.gaussian() as f32).collect()
-        }
-    }
+    use crate::rng::SplitMix64;
+    use crate::scheme::GroupSize;
 
     const CPU: Device = Device::Cpu;
 
@@ -656,13 +608,11 @@ mod tests {
     /// column scales spread over ~e^±1, so features are correlated and their energies differ (which
     /// makes act-order matter).
     fn correlated_inputs(tokens: usize, k: usize, seed: u64) -> Tensor {
-        let mut rng = Rng(seed);
-        let z = tensor(rng.gaussians(tokens * k), tokens, k);
-        let col_scale: Vec<f32> = (0..k)
-            .map(|_| (0.5 * rng.gaussian()).exp() as f32)
-            .collect();
+        let mut rng = SplitMix64::new(seed);
+        let z = tensor(rng.normals(tokens * k), tokens, k);
+        let col_scale: Vec<f32> = (0..k).map(|_| (0.5 * rng.normal()).exp() as f32).collect();
         let a: Vec<f32> = (0..k * k)
-            .map(|i| rng.gaussian() as f32 * col_scale[i % k] / (k as f32).sqrt())
+            .map(|i| rng.normal() as f32 * col_scale[i % k] / (k as f32).sqrt())
             .collect();
         z.matmul(&tensor(a, k, k)).unwrap()
     }
@@ -676,7 +626,7 @@ mod tests {
     fn opts(act_order: ActOrder, group_size: i64) -> SolveOptions {
         SolveOptions {
             quant: QuantParams {
-                group_size,
+                group_size: GroupSize::from_i64(group_size).unwrap(),
                 ..QuantParams::default()
             },
             act_order,
@@ -762,7 +712,7 @@ mod tests {
     #[test]
     fn identity_hessian_makes_gptq_equal_rtn() {
         let (n, k) = (16, 64);
-        let w = tensor(Rng(1).gaussians(n * k), n, k);
+        let w = tensor(SplitMix64::new(1).normals(n * k), n, k);
         let mut eye = vec![0.0f32; k * k];
         for i in 0..k {
             eye[i * k + i] = 1.0;
@@ -789,7 +739,7 @@ mod tests {
         let (tokens, n, k) = (512, 192, 256);
         let x = correlated_inputs(tokens, k, 11);
         let h = hessian_of(&x);
-        let w = tensor(Rng(12).gaussians(n * k), n, k);
+        let w = tensor(SplitMix64::new(12).normals(n * k), n, k);
         let run = |threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
@@ -814,7 +764,7 @@ mod tests {
         let (tokens, n, k) = (2048, 128, 256);
         let x = correlated_inputs(tokens, k, 7);
         let h = hessian_of(&x);
-        let w = tensor(Rng(8).gaussians(n * k), n, k);
+        let w = tensor(SplitMix64::new(8).normals(n * k), n, k);
         let rtn = output_error(
             &x,
             &w,
@@ -835,7 +785,7 @@ mod tests {
         let (tokens, n, k, g) = (512, 8, 128, 32);
         let x = correlated_inputs(tokens, k, 3);
         let h = hessian_of(&x);
-        let w = tensor(Rng(4).gaussians(n * k), n, k);
+        let w = tensor(SplitMix64::new(4).normals(n * k), n, k);
 
         let stat = gptq_quantize(&w, &h, &opts(ActOrder::Static, g as i64)).unwrap();
         assert_eq!(
@@ -885,7 +835,7 @@ mod tests {
         for i in 0..k {
             hv[i * k + i] = if i % 2 == 0 { 2.0 } else { 1.0 };
         }
-        let w = tensor(Rng(5).gaussians(n * k), n, k);
+        let w = tensor(SplitMix64::new(5).normals(n * k), n, k);
         let (_, _, perm) = solve(&w, &tensor(hv, k, k), &opts(ActOrder::Dynamic, 8)).unwrap();
         let want: Vec<usize> = (0..k).step_by(2).chain((1..k).step_by(2)).collect();
         assert_eq!(perm, want);
@@ -924,11 +874,7 @@ mod tests {
             };
             (scale, zero)
         };
-        let g = if q.group_size < 0 {
-            k
-        } else {
-            q.group_size as usize
-        };
+        let g = q.group_size.columns().unwrap_or(k);
         let mut wm: Vec<Vec<f64>> = w
             .chunks(k)
             .map(|r| r.iter().map(|&v| v as f64).collect())
@@ -1008,7 +954,7 @@ mod tests {
                     .collect();
             }
             for r in 0..n {
-                let (scale, zero) = if q.group_size < 0 {
+                let (scale, zero) = if q.group_size == GroupSize::PerRow {
                     whole[r]
                 } else if o.act_order == ActOrder::Static {
                     groups[perm[c] / g][r]
@@ -1036,7 +982,7 @@ mod tests {
         let x = correlated_inputs(tokens, k, 11);
         let h = hessian_of(&x);
         let hv = h.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let wv = Rng(12).gaussians(n * k);
+        let wv = SplitMix64::new(12).normals(n * k);
         let w = tensor(wv.clone(), n, k);
         let cases = [
             (ActOrder::Off, 16, 16, true),
@@ -1068,7 +1014,7 @@ mod tests {
         let (tokens, n, k) = (512, 12, 96);
         let x = correlated_inputs(tokens, k, 21);
         let h = hessian_of(&x);
-        let w = tensor(Rng(22).gaussians(n * k), n, k);
+        let w = tensor(SplitMix64::new(22).normals(n * k), n, k);
         for mode in MODES {
             for (group, sym, mse) in [(32, true, false), (-1, false, false), (16, false, true)] {
                 let mut o = opts(mode, group);
@@ -1097,7 +1043,7 @@ mod tests {
         }
         hv[1] = 1.05;
         hv[k] = 1.05;
-        let w = tensor(Rng(31).gaussians(n * k), n, k);
+        let w = tensor(SplitMix64::new(31).normals(n * k), n, k);
         let mut o = opts(ActOrder::Off, 8);
         o.damp = 0.001;
         let ql = gptq_quantize(&w, &tensor(hv, k, k), &o).unwrap();
@@ -1122,7 +1068,7 @@ mod tests {
         let (tokens, n, k) = (256, 8, 32);
         let half = correlated_inputs(tokens, k / 2, 41);
         let x = Tensor::cat(&[&half, &half], 1).unwrap();
-        let w = tensor(Rng(42).gaussians(n * k), n, k);
+        let w = tensor(SplitMix64::new(42).normals(n * k), n, k);
         for damp in [1e-9, 0.01] {
             let mut o = opts(ActOrder::Static, 16);
             o.damp = damp;
@@ -1142,7 +1088,7 @@ mod tests {
         let x = x
             .broadcast_mul(&Tensor::new(col_mask.as_slice(), &CPU).unwrap())
             .unwrap();
-        let w = tensor(Rng(52).gaussians(n * k), n, k);
+        let w = tensor(SplitMix64::new(52).normals(n * k), n, k);
         for mode in MODES {
             let ql = gptq_quantize(&w, &hessian_of(&x), &opts(mode, 16)).unwrap();
             assert_eq!(ql.dead_columns, 2);
@@ -1158,7 +1104,7 @@ mod tests {
     fn all_widths_and_asym_keep_codes_in_range() {
         let (tokens, n, k) = (256, 8, 64);
         let h = hessian_of(&correlated_inputs(tokens, k, 61));
-        let w = tensor(Rng(62).gaussians(n * k), n, k);
+        let w = tensor(SplitMix64::new(62).normals(n * k), n, k);
         for bits in [2u8, 3, 4, 8] {
             for sym in [true, false] {
                 let mut o = opts(ActOrder::Dynamic, 32);
@@ -1199,7 +1145,7 @@ mod tests {
     fn non_finite_inputs_are_refused_with_the_module_name() {
         let (n, k) = (4, 16);
         let h = hessian_of(&correlated_inputs(64, k, 71));
-        let mut wv = Rng(72).gaussians(n * k);
+        let mut wv = SplitMix64::new(72).normals(n * k);
         wv[k + 5] = f32::NAN;
         let o = opts(ActOrder::Static, 8);
         let err = gptq_quantize(&tensor(wv.clone(), n, k), &h, &o)
@@ -1211,7 +1157,7 @@ mod tests {
         );
         assert!(rtn_quantize(&tensor(wv, n, k), &o).is_err());
 
-        let w = tensor(Rng(73).gaussians(n * k), n, k);
+        let w = tensor(SplitMix64::new(73).normals(n * k), n, k);
         let bad_h = h
             .broadcast_mul(&Tensor::new(f32::INFINITY, &CPU).unwrap())
             .unwrap();

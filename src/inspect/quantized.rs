@@ -9,14 +9,15 @@
 use crate::checkpoint::writer::{verify_manifest, MANIFEST_FILE};
 use crate::checkpoint::Checkpoint;
 use crate::format::marlin::{
-    check_marlin_shape, gptq_codes_to_marlin, marlin_to_gptq_codes, pack_marlin, unpack_marlin,
-    unpermute_scales,
+    check_marlin_shape, gptq_codes_to_marlin, marlin_group_ok, marlin_to_gptq_codes, pack_marlin,
+    unpack_marlin, unpermute_scales, MARLIN_K_MULTIPLE, MARLIN_N_MULTIPLE,
 };
 use crate::format::quantized::{
-    at, expected_bf16_tensors, fused_groups, read_json, read_quant_info,
-    validate_quantized_modules, DynamicRule, QuantFormat, QuantInfo, QuantModule, QuantOverride,
-    CONFIG_FILE, QUANTIZE_CONFIG_FILE, SORT_INDICES_SUFFIX,
+    at, fused_groups, read_json, read_quant_info, validate_quantized_modules, DynamicRule,
+    QuantFormat, QuantInfo, QuantModule, QuantOverride, CONFIG_FILE, QUANTIZE_CONFIG_FILE,
+    SORT_INDICES_SUFFIX,
 };
+use crate::scheme::GroupSize;
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use serde::Serialize;
 use std::collections::HashMap;
@@ -28,7 +29,7 @@ pub struct QuantSettings {
     pub quant_method: Option<String>,
     pub checkpoint_format: String,
     pub bits: u8,
-    pub group_size: i32,
+    pub group_size: GroupSize,
     pub sym: bool,
     pub desc_act: bool,
     pub lm_head: bool,
@@ -55,7 +56,7 @@ pub struct ModuleReport {
     pub n: usize,
     pub k: usize,
     pub bits: u8,
-    pub group_size: i32,
+    pub group_size: GroupSize,
     pub sym: bool,
     pub desc_act: bool,
     pub act_order: bool,
@@ -144,7 +145,7 @@ pub fn inspect_quantized(dir: &Path) -> Result<QuantInspectReport> {
     };
     let ck = Checkpoint::open(dir)?;
     ck.check_finite()?;
-    let expected = expected_bf16_tensors(dir);
+    let expected = crate::model::expected_bf16_tensors(dir);
     let validated_against = match &expected {
         Ok(e) => format!(
             "{} layout from config.json ({} tensors)",
@@ -526,11 +527,17 @@ pub fn gptq_marlin_verdicts(info: &QuantInfo, modules: &[QuantModule]) -> Vec<En
         if (m.bits, m.sym, m.group_size) != (info.bits, info.sym, info.group_size) {
             why.extend(settings_reasons(m.bits, m.sym, m.group_size, "this module"));
         }
-        if m.n % 64 != 0 {
-            why.push(format!("N = {} is not a multiple of 64", m.n));
+        if !m.n.is_multiple_of(MARLIN_N_MULTIPLE) {
+            why.push(format!(
+                "N = {} is not a multiple of {MARLIN_N_MULTIPLE}",
+                m.n
+            ));
         }
-        if m.k % 128 != 0 {
-            why.push(format!("K = {} is not a multiple of 128", m.k));
+        if !m.k.is_multiple_of(MARLIN_K_MULTIPLE) {
+            why.push(format!(
+                "K = {} is not a multiple of {MARLIN_K_MULTIPLE}",
+                m.k
+            ));
         }
         if m.k % m.group_len() != 0 {
             why.push(format!(
@@ -572,7 +579,7 @@ pub fn gptq_marlin_verdicts(info: &QuantInfo, modules: &[QuantModule]) -> Vec<En
                 .to_string(),
         );
     }
-    let act_note = (info.desc_act && info.group_size == -1)
+    let act_note = (info.desc_act && info.group_size == GroupSize::PerRow)
         .then(|| "desc_act with group_size -1 is treated as desc_act false".to_string());
     let verdict = |engine: &str, reasons: Vec<String>, mut notes: Vec<String>| {
         notes.extend(act_note.clone());
@@ -601,7 +608,7 @@ pub fn gptq_marlin_verdicts(info: &QuantInfo, modules: &[QuantModule]) -> Vec<En
     ]
 }
 
-fn settings_reasons(bits: u8, sym: bool, group_size: i32, what: &str) -> Vec<String> {
+fn settings_reasons(bits: u8, sym: bool, group_size: GroupSize, what: &str) -> Vec<String> {
     let mut out = Vec::new();
     if !sym {
         out.push(format!(
@@ -614,7 +621,7 @@ fn settings_reasons(bits: u8, sym: bool, group_size: i32, what: &str) -> Vec<Str
             "{what} has bits = {bits}: gptq_marlin takes 4 or 8 bits"
         ));
     }
-    if ![-1, 32, 64, 128].contains(&group_size) {
+    if !marlin_group_ok(group_size) {
         out.push(format!(
             "{what} has group_size {group_size}: gptq_marlin supports -1, 32, 64 and 128"
         ));

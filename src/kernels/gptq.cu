@@ -7,7 +7,7 @@
 //   gptq_block          -> solver.rs the in-block part of the column loop
 //   unpermute_codes     -> solver.rs (codes returned in the original column order)
 //   dequant_gptq        -> format/pack.rs dequantize_gptq (any of 2/3/4/8 bits)
-//   dequant_marlin      -> format/quantized.rs dequantize_module (Marlin branch)
+//   dequant_marlin      -> format/quantized/decode.rs dequantize_module (Marlin branch)
 //
 // Arithmetic follows the CPU code operation by operation in f32 with IEEE division and
 // round-half-to-even (rintf), so that results agree bit for bit where the inputs do. Build

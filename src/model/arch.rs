@@ -10,7 +10,8 @@
 
 use super::config::Config;
 use super::llama::{self, LlamaConfig};
-use super::minicpm_sala::{self, Linear, LinearGroup};
+use super::minicpm_sala;
+use super::nn::{Linear, LinearGroup, LinearSpec};
 use crate::checkpoint::Checkpoint;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -182,6 +183,15 @@ impl AnyConfig {
         match self {
             Self::Sala(c) => c.expected_tensors(),
             Self::Dense(c) => c.expected_tensors(),
+        }
+    }
+
+    /// The Linears of decoder layer `i` in checkpoint order; [`super::nn::sequential`] gives
+    /// the true-sequential order.
+    pub fn layer_linears(&self, i: usize) -> Vec<LinearSpec> {
+        match self {
+            Self::Sala(c) => c.layer_linears(i),
+            Self::Dense(c) => c.layer_linears(i),
         }
     }
 
@@ -377,14 +387,6 @@ impl AnyLayer {
         })
     }
 
-    /// (name relative to the layer, group) of every Linear, in true-sequential order.
-    pub fn linears(&self) -> Vec<(&'static str, LinearGroup)> {
-        match self {
-            Self::Sala(l) => l.linears(),
-            Self::Dense(l) => l.linears(),
-        }
-    }
-
     pub fn linear_mut(&mut self, name: &str) -> Result<&mut Linear> {
         match self {
             Self::Sala(l) => l.linear_mut(name),
@@ -476,6 +478,19 @@ impl AnyLayer {
     }
 }
 
+/// The BF16 layout `dir/config.json` implies when it is a valid config of a supported
+/// architecture (MiniCPM-SALA or a dense Llama-family decoder); otherwise the reason it is not
+/// (other architectures are validated by their quantized sets alone).
+pub fn expected_bf16_tensors(dir: &Path) -> std::result::Result<Vec<(String, Vec<usize>)>, String> {
+    let path = dir.join("config.json");
+    if !path.is_file() {
+        return Err(format!("{} does not exist", path.display()));
+    }
+    AnyConfig::from_file(&path)
+        .map(|c| c.expected_tensors())
+        .map_err(|e| format!("{e:#}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -505,5 +520,48 @@ mod tests {
         let s = AnyConfig::Sala(c.shape_config());
         assert_eq!(s.layer_tensors(1), c.layer_tensors(1));
         assert_eq!(s.param_count(), c.param_count());
+    }
+
+    /// `layer_linears` is the one table of Linears: the layer built from the checkpoint reads
+    /// exactly `layer_tensors`, and resolves every listed Linear with its listed shape.
+    #[test]
+    fn layer_linears_match_what_the_layers_load() {
+        let qwen = r#"{"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-6}"#;
+        for json in [super::super::config::TINY_CONFIG, qwen] {
+            let cfg = AnyConfig::from_json(json).unwrap();
+            for i in 0..cfg.num_hidden_layers() {
+                let tensors = cfg.layer_tensors(i);
+                let read = std::cell::RefCell::new(vec![]);
+                let prefix = format!("model.layers.{i}.");
+                let get = |name: &str| -> Result<Tensor> {
+                    let rel = name.strip_prefix(&prefix).expect("a name of this layer");
+                    read.borrow_mut().push(rel.to_string());
+                    let (_, shape) = tensors
+                        .iter()
+                        .find(|(n, _)| n == rel)
+                        .unwrap_or_else(|| panic!("{rel} is not in layer_tensors"));
+                    Ok(Tensor::zeros(shape.as_slice(), DType::F32, &Device::Cpu)?)
+                };
+                let mut layer = AnyLayer::from_tensors(&cfg, i, &get).unwrap();
+                let mut read = read.into_inner();
+                let mut listed: Vec<String> = tensors.iter().map(|(n, _)| n.clone()).collect();
+                read.sort();
+                listed.sort();
+                assert_eq!(read, listed, "layer {i} of {}", cfg.family());
+                let linears = cfg.layer_linears(i);
+                assert!(linears.iter().any(|l| l.bias) == (json == qwen));
+                for l in &linears {
+                    let w = &layer.linear_mut(l.name).unwrap().weight;
+                    assert_eq!(w.dims(), [l.n, l.k], "{}", l.name);
+                }
+                // True-sequential order: groups ascending, members in checkpoint order.
+                let seq = super::super::nn::sequential(linears.clone());
+                assert!(seq.windows(2).all(|w| w[0].group <= w[1].group));
+                assert_eq!(seq.len(), linears.len());
+            }
+        }
     }
 }

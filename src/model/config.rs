@@ -1,6 +1,7 @@
 //! `config.json` of MiniCPM-SALA, parsed from the values in the file (never from another
 //! implementation's defaults), and checked for consistency before anything is computed.
 
+use super::nn::{LinearGroup, LinearSpec};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -298,48 +299,87 @@ impl Config {
         out
     }
 
-    /// Tensors of decoder layer `i`, relative to `model.layers.{i}.`, with shapes.
+    /// The Linears of decoder layer `i` in checkpoint order (the one table of them; see
+    /// [`LinearSpec`]).
+    pub fn layer_linears(&self, i: usize) -> Vec<LinearSpec> {
+        let h = self.hidden_size;
+        let (q, kv, gate) = match self.mixer(i) {
+            MixerKind::Sparse => {
+                let d = self.sparse_head_dim();
+                let gate = self.attn_use_output_gate.then_some("self_attn.o_gate");
+                (
+                    self.num_attention_heads * d,
+                    self.num_key_value_heads * d,
+                    gate,
+                )
+            }
+            MixerKind::Lightning => {
+                let d = self.lightning_head_dim;
+                let gate = self.use_output_gate.then_some("self_attn.z_proj");
+                (self.lightning_nh * d, self.lightning_nkv * d, gate)
+            }
+        };
+        let m = self.intermediate_size;
+        let mut v = vec![
+            LinearSpec::new("self_attn.q_proj", LinearGroup::Qkv, q, h, false),
+            LinearSpec::new("self_attn.k_proj", LinearGroup::Qkv, kv, h, false),
+            LinearSpec::new("self_attn.v_proj", LinearGroup::Qkv, kv, h, false),
+            LinearSpec::new("self_attn.o_proj", LinearGroup::O, h, q, false),
+        ];
+        if let Some(name) = gate {
+            v.push(LinearSpec::new(name, LinearGroup::Qkv, q, h, false));
+        }
+        v.push(LinearSpec::new(
+            "mlp.gate_proj",
+            LinearGroup::GateUp,
+            m,
+            h,
+            false,
+        ));
+        v.push(LinearSpec::new(
+            "mlp.up_proj",
+            LinearGroup::GateUp,
+            m,
+            h,
+            false,
+        ));
+        v.push(LinearSpec::new(
+            "mlp.down_proj",
+            LinearGroup::Down,
+            h,
+            m,
+            false,
+        ));
+        v
+    }
+
+    /// Tensors of decoder layer `i`, relative to `model.layers.{i}.`, with shapes: the two
+    /// norms, the mixer's Linears, the lightning mixer's norms, the MLP's Linears.
     pub fn layer_tensors(&self, i: usize) -> Vec<(String, Vec<usize>)> {
         let h = self.hidden_size;
         let mut t: Vec<(String, Vec<usize>)> = vec![
             ("input_layernorm.weight".into(), vec![h]),
             ("post_attention_layernorm.weight".into(), vec![h]),
         ];
-        match self.mixer(i) {
-            MixerKind::Sparse => {
-                let d = self.sparse_head_dim();
-                let (q, kv) = (self.num_attention_heads * d, self.num_key_value_heads * d);
-                t.push(("self_attn.q_proj.weight".into(), vec![q, h]));
-                t.push(("self_attn.k_proj.weight".into(), vec![kv, h]));
-                t.push(("self_attn.v_proj.weight".into(), vec![kv, h]));
-                t.push(("self_attn.o_proj.weight".into(), vec![h, q]));
-                if self.attn_use_output_gate {
-                    t.push(("self_attn.o_gate.weight".into(), vec![q, h]));
-                }
+        let (mixer, mlp): (Vec<LinearSpec>, Vec<LinearSpec>) = self
+            .layer_linears(i)
+            .into_iter()
+            .partition(|l| l.name.starts_with("self_attn."));
+        t.extend(mixer.iter().flat_map(LinearSpec::tensors));
+        if self.mixer(i) == MixerKind::Lightning {
+            let d = self.lightning_head_dim;
+            if self.qk_norm {
+                t.push(("self_attn.q_norm.weight".into(), vec![d]));
+                t.push(("self_attn.k_norm.weight".into(), vec![d]));
             }
-            MixerKind::Lightning => {
-                let d = self.lightning_head_dim;
-                let (q, kv) = (self.lightning_nh * d, self.lightning_nkv * d);
-                t.push(("self_attn.q_proj.weight".into(), vec![q, h]));
-                t.push(("self_attn.k_proj.weight".into(), vec![kv, h]));
-                t.push(("self_attn.v_proj.weight".into(), vec![kv, h]));
-                t.push(("self_attn.o_proj.weight".into(), vec![h, q]));
-                if self.use_output_gate {
-                    t.push(("self_attn.z_proj.weight".into(), vec![q, h]));
-                }
-                if self.qk_norm {
-                    t.push(("self_attn.q_norm.weight".into(), vec![d]));
-                    t.push(("self_attn.k_norm.weight".into(), vec![d]));
-                }
-                if self.use_output_norm {
-                    t.push(("self_attn.o_norm.weight".into(), vec![q]));
-                }
+            if self.use_output_norm {
+                t.push((
+                    "self_attn.o_norm.weight".into(),
+                    vec![self.lightning_nh * d],
+                ));
             }
         }
-        let m = self.intermediate_size;
-        t.push(("mlp.gate_proj.weight".into(), vec![m, h]));
-        t.push(("mlp.up_proj.weight".into(), vec![m, h]));
-        t.push(("mlp.down_proj.weight".into(), vec![h, m]));
+        t.extend(mlp.iter().flat_map(LinearSpec::tensors));
         t
     }
 

@@ -17,7 +17,9 @@
 //! Precision follows the SALA forward: Linears in the model dtype, RMSNorm variance, RoPE,
 //! softmax and logits in f32.
 
-use super::minicpm_sala::{causal_mask, repeat_kv, rms_norm, Linear, LinearGroup};
+use super::nn::{
+    causal_mask, repeat_kv, rms_norm, rope, rope_inv_freq, Linear, LinearGroup, LinearSpec,
+};
 use crate::checkpoint::Checkpoint;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -376,10 +378,7 @@ impl LlamaConfig {
 
     /// RoPE inverse frequencies θ^(−2j/d) for j < d/2, with `rope_scaling` applied.
     pub fn inv_freq(&self) -> Vec<f64> {
-        let d = self.head_dim;
-        let mut f: Vec<f64> = (0..d / 2)
-            .map(|j| self.rope_theta.powf(-2.0 * j as f64 / d as f64))
-            .collect();
+        let mut f = rope_inv_freq(self.rope_theta, self.head_dim);
         self.rope_scaling.apply(&mut f);
         f
     }
@@ -400,30 +399,32 @@ impl LlamaConfig {
         out
     }
 
-    /// Tensors of decoder layer `i`, relative to `model.layers.{i}.`, with shapes.
-    pub fn layer_tensors(&self, _i: usize) -> Vec<(String, Vec<usize>)> {
+    /// The Linears of a decoder layer in checkpoint order (the one table of them; see
+    /// [`LinearSpec`]). Every layer has the same.
+    pub fn layer_linears(&self, _i: usize) -> Vec<LinearSpec> {
         let (h, m) = (self.hidden_size, self.intermediate_size);
         let q = self.num_attention_heads * self.head_dim;
         let kv = self.num_key_value_heads * self.head_dim;
+        use LinearGroup::*;
+        vec![
+            LinearSpec::new("self_attn.q_proj", Qkv, q, h, self.qkv_bias),
+            LinearSpec::new("self_attn.k_proj", Qkv, kv, h, self.qkv_bias),
+            LinearSpec::new("self_attn.v_proj", Qkv, kv, h, self.qkv_bias),
+            LinearSpec::new("self_attn.o_proj", O, h, q, self.o_bias),
+            LinearSpec::new("mlp.gate_proj", GateUp, m, h, self.mlp_bias),
+            LinearSpec::new("mlp.up_proj", GateUp, m, h, self.mlp_bias),
+            LinearSpec::new("mlp.down_proj", Down, h, m, self.mlp_bias),
+        ]
+    }
+
+    /// Tensors of decoder layer `i`, relative to `model.layers.{i}.`, with shapes.
+    pub fn layer_tensors(&self, i: usize) -> Vec<(String, Vec<usize>)> {
+        let h = self.hidden_size;
         let mut t: Vec<(String, Vec<usize>)> = vec![
             ("input_layernorm.weight".into(), vec![h]),
             ("post_attention_layernorm.weight".into(), vec![h]),
         ];
-        let projs = [
-            ("self_attn.q_proj", q, h, self.qkv_bias),
-            ("self_attn.k_proj", kv, h, self.qkv_bias),
-            ("self_attn.v_proj", kv, h, self.qkv_bias),
-            ("self_attn.o_proj", h, q, self.o_bias),
-            ("mlp.gate_proj", m, h, self.mlp_bias),
-            ("mlp.up_proj", m, h, self.mlp_bias),
-            ("mlp.down_proj", h, m, self.mlp_bias),
-        ];
-        for (name, n, k, bias) in projs {
-            t.push((format!("{name}.weight"), vec![n, k]));
-            if bias {
-                t.push((format!("{name}.bias"), vec![n]));
-            }
-        }
+        t.extend(self.layer_linears(i).iter().flat_map(LinearSpec::tensors));
         t
     }
 }
@@ -443,35 +444,6 @@ impl Proj {
             None => Ok(y),
         }
     }
-}
-
-/// Rotate-half RoPE on `[B, T, H, D]` for positions 0..T with the given inverse frequencies
-/// (`d/2` of them), computed in f32 and cast back.
-pub fn rope(x: &Tensor, inv_freq: &[f64]) -> candle_core::Result<Tensor> {
-    let (_, t, _, d) = x.dims4()?;
-    let half = d / 2;
-    let tag = inv_freq.iter().fold(0xcbf29ce484222325u64, |h, f| {
-        (h ^ f.to_bits()).wrapping_mul(0x100000001b3)
-    });
-    let table = |f: fn(f64) -> f64| {
-        move || {
-            let mut v = Vec::with_capacity(t * d);
-            for p in 0..t {
-                for j in 0..d {
-                    v.push(f(p as f64 * inv_freq[j % half]) as f32);
-                }
-            }
-            Tensor::from_vec(v, (1, t, 1, d), x.device())
-        }
-    };
-    let key = |name: &str| format!("dense-rope-{name}-{t}-{d}-{tag:016x}");
-    let cos = super::cached_constant(key("cos"), x.device(), table(f64::cos))?;
-    let sin = super::cached_constant(key("sin"), x.device(), table(f64::sin))?;
-    let xf = x.to_dtype(DType::F32)?;
-    let x1 = xf.narrow(3, 0, half)?;
-    let x2 = xf.narrow(3, half, half)?;
-    let rotated = Tensor::cat(&[&x2.neg()?, &x1], 3)?;
-    (xf.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?.to_dtype(x.dtype())
 }
 
 #[derive(Debug, Clone)]
@@ -548,20 +520,7 @@ impl DecoderLayer {
         })
     }
 
-    /// The Linears of this layer in true-sequential order, with their groups.
-    pub fn linears(&self) -> Vec<(&'static str, LinearGroup)> {
-        vec![
-            ("self_attn.q_proj", LinearGroup::Qkv),
-            ("self_attn.k_proj", LinearGroup::Qkv),
-            ("self_attn.v_proj", LinearGroup::Qkv),
-            ("self_attn.o_proj", LinearGroup::O),
-            ("mlp.gate_proj", LinearGroup::GateUp),
-            ("mlp.up_proj", LinearGroup::GateUp),
-            ("mlp.down_proj", LinearGroup::Down),
-        ]
-    }
-
-    /// The Linear called `name` (as listed by [`DecoderLayer::linears`]).
+    /// The Linear called `name` (as listed by [`LlamaConfig::layer_linears`]).
     pub fn linear_mut(&mut self, name: &str) -> Result<&mut Linear> {
         let p = match name {
             "self_attn.q_proj" => &mut self.q,
@@ -839,7 +798,7 @@ mod tests {
             .collect();
         let x = Tensor::from_vec(data, (2, 5, 3, 16), &Device::Cpu).unwrap();
         let a = rope(&x, &c.inv_freq()).unwrap();
-        let b = super::super::minicpm_sala::rope(&x, 5000.0).unwrap();
+        let b = rope(&x, &rope_inv_freq(5000.0, 16)).unwrap();
         let d: f32 = (a - b)
             .unwrap()
             .abs()

@@ -8,104 +8,13 @@
 
 use super::config::{Config, MixerKind};
 use super::gla;
+use super::nn::{causal_mask, repeat_kv, rms_norm, rope, rope_inv_freq, Linear, LinearGroup};
 use crate::checkpoint::Checkpoint;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
 
 /// Chunk length of the chunked Simple-GLA (fla uses 64).
 pub const GLA_CHUNK: usize = 64;
-
-/// Linears that read the same input share one Hessian (docs/decisions.md, Hessians follow inputs).
-/// The order is the true-sequential order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
-pub enum LinearGroup {
-    /// q, k, v and the attention gate (o_gate or z_proj): the normalized layer input.
-    Qkv,
-    /// o_proj: the gated attention output.
-    O,
-    /// gate_proj and up_proj: the normalized MLP input.
-    GateUp,
-    /// down_proj: silu(gate) * up.
-    Down,
-}
-
-impl LinearGroup {
-    pub const ALL: [LinearGroup; 4] = [Self::Qkv, Self::O, Self::GateUp, Self::Down];
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Qkv => "qkv",
-            Self::O => "o",
-            Self::GateUp => "gate_up",
-            Self::Down => "down",
-        }
-    }
-}
-
-/// A bias-free Linear with HF layout `[out, in]`: y = x·Wᵀ.
-#[derive(Debug, Clone)]
-pub struct Linear {
-    pub weight: Tensor,
-}
-
-impl Linear {
-    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let dims = x.dims().to_vec();
-        let k = *dims.last().unwrap();
-        let x2 = x.reshape(((), k))?;
-        let y = x2.matmul(&self.weight.t()?)?;
-        let mut out = dims;
-        *out.last_mut().unwrap() = self.weight.dim(0)?;
-        y.reshape(out)
-    }
-}
-
-/// RMSNorm as the reference computes it: variance in f32, cast back to the input dtype, then
-/// multiplied by the weight in the input dtype (no "+1", no mean subtraction).
-pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
-    let dtype = x.dtype();
-    let xf = x.to_dtype(DType::F32)?;
-    let var = xf.sqr()?.mean_keepdim(D::Minus1)?;
-    let y = xf.broadcast_div(&(var + eps)?.sqrt()?)?.to_dtype(dtype)?;
-    y.broadcast_mul(w)
-}
-
-/// NeoX ("rotate_half") RoPE over the whole head dimension on `[B, T, H, D]`, computed in f32
-/// and cast back, for positions 0..T.
-pub fn rope(x: &Tensor, theta: f64) -> candle_core::Result<Tensor> {
-    let (_, t, _, d) = x.dims4()?;
-    let half = d / 2;
-    let table = |f: fn(f64) -> f64| {
-        move || {
-            let mut v = Vec::with_capacity(t * d);
-            for p in 0..t {
-                for j in 0..d {
-                    let inv_freq = theta.powf(-2.0 * (j % half) as f64 / d as f64);
-                    v.push(f(p as f64 * inv_freq) as f32);
-                }
-            }
-            Tensor::from_vec(v, (1, t, 1, d), x.device())
-        }
-    };
-    let key = |name: &str| format!("rope-{name}-{t}-{d}-{}", theta.to_bits());
-    let cos = super::cached_constant(key("cos"), x.device(), table(f64::cos))?;
-    let sin = super::cached_constant(key("sin"), x.device(), table(f64::sin))?;
-    let xf = x.to_dtype(DType::F32)?;
-    let x1 = xf.narrow(3, 0, half)?;
-    let x2 = xf.narrow(3, half, half)?;
-    let rotated = Tensor::cat(&[&x2.neg()?, &x1], 3)?;
-    (xf.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?.to_dtype(x.dtype())
-}
-
-/// Repeats each kv head `n_rep` times consecutively: `[B, Hkv, T, D]` → `[B, Hkv·n_rep, T, D]`.
-pub(crate) fn repeat_kv(x: &Tensor, n_rep: usize) -> candle_core::Result<Tensor> {
-    if n_rep == 1 {
-        return Ok(x.clone());
-    }
-    let (b, h, t, d) = x.dims4()?;
-    x.unsqueeze(2)?
-        .expand((b, h, n_rep, t, d))?
-        .reshape((b, h * n_rep, t, d))
-}
 
 #[derive(Debug, Clone)]
 pub enum Mixer {
@@ -257,26 +166,7 @@ impl DecoderLayer {
         })
     }
 
-    /// The Linears of this layer: (name relative to the layer, e.g. `self_attn.q_proj`, group).
-    pub fn linears(&self) -> Vec<(&'static str, LinearGroup)> {
-        let mut v = vec![
-            ("self_attn.q_proj", LinearGroup::Qkv),
-            ("self_attn.k_proj", LinearGroup::Qkv),
-            ("self_attn.v_proj", LinearGroup::Qkv),
-        ];
-        match &self.mixer {
-            Mixer::Sparse { gate: Some(_), .. } => v.push(("self_attn.o_gate", LinearGroup::Qkv)),
-            Mixer::Lightning { z: Some(_), .. } => v.push(("self_attn.z_proj", LinearGroup::Qkv)),
-            _ => {}
-        }
-        v.push(("self_attn.o_proj", LinearGroup::O));
-        v.push(("mlp.gate_proj", LinearGroup::GateUp));
-        v.push(("mlp.up_proj", LinearGroup::GateUp));
-        v.push(("mlp.down_proj", LinearGroup::Down));
-        v
-    }
-
-    /// The Linear called `name` (as listed by [`DecoderLayer::linears`]).
+    /// The Linear called `name` (as listed by [`Config::layer_linears`]).
     pub fn linear_mut(&mut self, name: &str) -> Result<&mut Linear> {
         let l = match (&mut self.mixer, name) {
             (Mixer::Sparse { q, .. } | Mixer::Lightning { q, .. }, "self_attn.q_proj") => q,
@@ -322,8 +212,9 @@ impl DecoderLayer {
                 let (mut qh, mut kh) = (heads(q, c.heads)?, heads(k, c.kv_heads)?);
                 let vh = heads(v, c.kv_heads)?;
                 if c.use_rope {
-                    qh = rope(&qh, c.rope_theta)?;
-                    kh = rope(&kh, c.rope_theta)?;
+                    let inv_freq = rope_inv_freq(c.rope_theta, qh.dim(3)?);
+                    qh = rope(&qh, &inv_freq)?;
+                    kh = rope(&kh, &inv_freq)?;
                 }
                 let f32t = |x: &Tensor| x.transpose(1, 2)?.to_dtype(DType::F32)?.contiguous();
                 let n_rep = c.heads / c.kv_heads;
@@ -370,8 +261,9 @@ impl DecoderLayer {
                     kh = rms_norm(&kh, kn, c.eps)?;
                 }
                 if c.use_rope {
-                    qh = rope(&qh, c.rope_theta)?;
-                    kh = rope(&kh, c.rope_theta)?;
+                    let inv_freq = rope_inv_freq(c.rope_theta, qh.dim(3)?);
+                    qh = rope(&qh, &inv_freq)?;
+                    kh = rope(&kh, &inv_freq)?;
                 }
                 let f32t = |x: &Tensor| x.transpose(1, 2)?.to_dtype(DType::F32)?.contiguous();
                 let n_rep = c.heads / c.kv_heads;
@@ -444,22 +336,6 @@ impl DecoderLayer {
     pub fn mlp_residual(&self, h: &Tensor, act: &Tensor) -> Result<Tensor> {
         Ok((h + (self.down_proj.forward(act)? * self.cfg.residual)?)?)
     }
-}
-
-/// Additive causal mask `[T, T]`: 0 on and below the diagonal, −inf above.
-pub(crate) fn causal_mask(t: usize, dev: &Device) -> candle_core::Result<Tensor> {
-    super::cached_constant(format!("causal-mask-{t}"), dev, || {
-        let data: Vec<f32> = (0..t * t)
-            .map(|x| {
-                if x % t > x / t {
-                    f32::NEG_INFINITY
-                } else {
-                    0.0
-                }
-            })
-            .collect();
-        Tensor::from_vec(data, (t, t), dev)
-    })
 }
 
 /// Embedding, final norm and head; decoder layers are loaded separately (one at a time when
@@ -540,16 +416,9 @@ mod tests {
     use super::*;
 
     fn randn(shape: &[usize], seed: u64) -> Tensor {
-        let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+        let mut rng = crate::rng::SplitMix64::new(seed);
         let n: usize = shape.iter().product();
-        let data: Vec<f32> = (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
-            })
-            .collect();
+        let data: Vec<f32> = (0..n).map(|_| rng.uniform()).collect();
         Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
     }
 
@@ -630,7 +499,7 @@ mod tests {
     fn rope_rotates_pairs_half_a_head_apart() {
         // Position 0 is the identity; position p rotates (x_j, x_{j+d/2}) by p·θ^(−2j/d).
         let x = randn(&[1, 3, 1, 4], 9);
-        let r = rope(&x, 10000.0).unwrap();
+        let r = rope(&x, &rope_inv_freq(10000.0, 4)).unwrap();
         let xv: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
         let rv: Vec<f32> = r.flatten_all().unwrap().to_vec1().unwrap();
         for p in 0..3 {

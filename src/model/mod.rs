@@ -5,10 +5,12 @@ pub mod config;
 pub mod gla;
 pub mod llama;
 pub mod minicpm_sala;
+pub mod nn;
 
-pub use arch::{AnyConfig, AnyLayer, AnyModel, SUPPORTED_ARCHITECTURES};
+pub use arch::{expected_bf16_tensors, AnyConfig, AnyLayer, AnyModel, SUPPORTED_ARCHITECTURES};
 pub use config::{Config, MixerKind};
-pub use minicpm_sala::{DecoderLayer, LinearGroup, Model};
+pub use minicpm_sala::{DecoderLayer, Model};
+pub use nn::{sequential, LinearGroup, LinearSpec};
 
 use candle_core::{Device, Tensor};
 use std::collections::HashMap;

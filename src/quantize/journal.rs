@@ -13,7 +13,6 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::Path;
 
 const JOURNAL_FILE: &str = "journal.json";
@@ -113,15 +112,11 @@ impl Journal {
 
     /// Written to a temporary file and renamed, so a crash never leaves a torn journal.
     pub fn save(&self, dir: &Path) -> Result<()> {
-        let tmp = dir.join(format!("{JOURNAL_FILE}.tmp"));
-        let mut f = std::fs::File::create(&tmp)
-            .with_context(|| format!("cannot write {}", tmp.display()))?;
-        f.write_all(serde_json::to_string_pretty(self)?.as_bytes())?;
-        f.sync_all()?;
-        crate::fault::write_point("the journal's temporary file written")
-            .with_context(|| format!("cannot write {} (disk full?)", tmp.display()))?;
-        std::fs::rename(&tmp, dir.join(JOURNAL_FILE))
-            .with_context(|| format!("cannot update the journal in {}", dir.display()))
+        let text = serde_json::to_string_pretty(self)?;
+        writer::write_atomic(&dir.join(JOURNAL_FILE), |tmp| {
+            Ok(std::fs::write(tmp, &text)?)
+        })
+        .with_context(|| format!("cannot update the journal in {}", dir.display()))
     }
 
     /// The finished layers must be layers 0, 1, 2, ... of this model, in order, each in its own

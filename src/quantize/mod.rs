@@ -19,9 +19,10 @@ use crate::checkpoint::guard::{self, InputPath};
 use crate::checkpoint::writer::{self, OutputDir, TensorSpec};
 use crate::checkpoint::{Checkpoint, Dtype};
 use crate::engine::{self, config::ConfigEdits, Engine};
-use crate::format;
-use crate::gptq::{self, ActOrder, HessianAccumulator, QuantParams, QuantizedLinear, SolveOptions};
-use crate::model::{AnyConfig, AnyLayer, AnyModel, LinearGroup};
+use crate::format::{self, quantized::FUSED_GROUPS};
+use crate::gptq::{self, HessianAccumulator, QuantParams, QuantizedLinear, SolveOptions};
+use crate::model::{sequential, AnyConfig, AnyLayer, AnyModel, LinearGroup};
+use crate::scheme::{ActOrder, GroupSize, QuantFormat};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use journal::{Journal, JournalLayer, Packed};
@@ -45,7 +46,7 @@ pub struct QuantizeOptions {
     pub calib: Vec<CalibSpec>,
     pub out: PathBuf,
     pub bits: u8,
-    pub group_size: i64,
+    pub group_size: GroupSize,
     pub act_order: ActOrder,
     pub sym: bool,
     pub damp: f64,
@@ -75,6 +76,18 @@ pub struct QuantizeOptions {
     pub verify: bool,
 }
 
+impl QuantizeOptions {
+    /// The layout the output is written in: symmetric zeros fit GPTQ v1 (what every engine
+    /// reads); asymmetric ones may be 0, which only v2 stores.
+    pub fn layout(&self) -> QuantFormat {
+        if self.sym {
+            QuantFormat::GptqV1
+        } else {
+            QuantFormat::GptqV2
+        }
+    }
+}
+
 /// Sentinel error that ends a layer's forward once the wanted subset's input has been seen.
 #[derive(Debug)]
 struct StopForward;
@@ -90,8 +103,8 @@ impl std::error::Error for StopForward {}
 pub struct Settings {
     pub method: Method,
     pub bits: u8,
-    pub group_size: i64,
-    pub act_order: &'static str,
+    pub group_size: GroupSize,
+    pub act_order: ActOrder,
     pub sym: bool,
     pub damp: f64,
     pub mse: bool,
@@ -110,20 +123,28 @@ pub struct Settings {
     pub load_hessians: Option<String>,
 }
 
-pub fn act_order_name(a: ActOrder) -> &'static str {
-    match a {
-        ActOrder::Static => "static",
-        ActOrder::Dynamic => "dynamic",
-        ActOrder::Off => "off",
+/// The members of one layer's fused groups (`FUSED_GROUPS`, which SGLang and vLLM load as one
+/// Linear): `(parent.fused, [(member, skipped)])` in plan order, for every parent that holds
+/// members of a group.
+fn fused_members(mods: &[(String, bool)]) -> Vec<(String, Vec<&(String, bool)>)> {
+    let mut out: Vec<(String, Vec<&(String, bool)>)> = vec![];
+    for (fused, members) in FUSED_GROUPS {
+        for entry in mods {
+            let Some((parent, leaf)) = entry.0.rsplit_once('.') else {
+                continue;
+            };
+            if !members.contains(&leaf) {
+                continue;
+            }
+            let name = format!("{parent}.{fused}");
+            match out.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, list)) => list.push(entry),
+                None => out.push((name, vec![entry])),
+            }
+        }
     }
+    out
 }
-
-/// Fused groups that SGLang loads as one Linear: their members must all be quantized or all
-/// be skipped.
-const FUSED: &[&[&str]] = &[
-    &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-    &["mlp.gate_proj", "mlp.up_proj"],
-];
 
 fn compile_skips(skip: &[String]) -> Result<Vec<regex::Regex>> {
     skip.iter()
@@ -143,28 +164,20 @@ fn plan_modules(
     let mut plan = vec![];
     for i in 0..cfg.num_hidden_layers() {
         let mut mods = vec![];
-        for (name, _) in cfg.layer_tensors(i) {
-            let Some(m) = name.strip_suffix(".weight") else {
-                continue;
-            };
-            if !(m.ends_with("_proj") || m.ends_with("o_gate")) {
-                continue;
-            }
-            let full = format!("model.layers.{i}.{m}");
+        for l in cfg.layer_linears(i) {
+            let full = format!("model.layers.{i}.{}", l.name);
             let skipped = skips.iter().any(|r| r.is_match(&full));
-            mods.push((m.to_string(), skipped));
+            mods.push((l.name.to_string(), skipped));
         }
-        for group in FUSED {
-            let states: Vec<bool> = group
-                .iter()
-                .filter_map(|g| mods.iter().find(|(m, _)| m == g).map(|(_, s)| *s))
-                .collect();
-            if states.iter().any(|&s| s) && !states.iter().all(|&s| s) {
+        for (fused, members) in fused_members(&mods) {
+            let skipped = members.iter().filter(|(_, s)| *s).count();
+            if skipped > 0 && skipped < members.len() {
+                let names: Vec<&str> = members.iter().map(|(m, _)| m.as_str()).collect();
                 bail!(
-                    "--skip {:?} splits the fused group {} of layer {i}: SGLang loads {} as one Linear, so skip all of them or none",
+                    "--skip {:?} splits the fused group {} of layer {i}: SGLang loads {} as one Linear ({fused}), so skip all of them or none",
                     skip_src,
-                    group.join("/"),
-                    group.join(", ")
+                    names.join("/"),
+                    names.join(", ")
                 );
             }
         }
@@ -181,12 +194,12 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
-fn pack(q: &QuantizedLinear, bits: u8, v1: bool) -> Result<Packed> {
+fn pack(q: &QuantizedLinear, bits: u8, layout: QuantFormat) -> Result<Packed> {
     let (n, k) = (q.n, q.k);
     let groups = q.n_groups();
     Ok(Packed {
         qweight: format::pack::pack_qweight_nk(&q.codes, n, k, bits)?,
-        qzeros: format::pack_qzeros(&q.zeros, groups, n, bits, v1)?,
+        qzeros: format::pack_qzeros(&q.zeros, groups, n, bits, layout)?,
         scales_f16: format::f32_to_f16_le_bytes(&q.scales),
         g_idx: q.g_idx.clone(),
     })
@@ -200,7 +213,7 @@ fn decode_stored(
     n: usize,
     k: usize,
     bits: u8,
-    v1: bool,
+    layout: QuantFormat,
     dtype: DType,
     device: &Device,
 ) -> Result<Tensor> {
@@ -213,7 +226,7 @@ fn decode_stored(
         k,
         n,
         bits,
-        v1,
+        format: layout,
     };
     Ok(format::dequantize_gptq_tensor(&t, device)?.to_dtype(dtype)?)
 }
@@ -463,35 +476,34 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
             if *skipped {
                 continue;
             }
-            let shape = &cfg
-                .layer_tensors(i)
+            let l = cfg
+                .layer_linears(i)
                 .into_iter()
-                .find(|(n, _)| n == &format!("{m}.weight"))
-                .unwrap()
-                .1;
-            if opts.group_size > 0 && shape[1] % opts.group_size as usize != 0 {
+                .find(|l| l.name == m)
+                .expect("planned from layer_linears");
+            if !opts.group_size.divides(l.k) {
                 bail!(
                     "--group-size {} does not divide in_features {} of model.layers.{i}.{m}: use a group size that divides it, or -1",
                     opts.group_size,
-                    shape[1]
+                    l.k
                 );
             }
-            if shape[0] % block != 0 || shape[1] % block != 0 {
+            if l.n % block != 0 || l.k % block != 0 {
                 bail!(
                     "model.layers.{i}.{m} is [{}, {}]: {}-bit GPTQ packing needs both dimensions to be multiples of {block}; use other --bits or --skip it",
-                    shape[0],
-                    shape[1],
+                    l.n,
+                    l.k,
                     opts.bits
                 );
             }
         }
     }
-    let v1 = opts.sym;
+    let layout = opts.layout();
     let settings = Settings {
         method: opts.method,
         bits: opts.bits,
         group_size: opts.group_size,
-        act_order: act_order_name(opts.act_order),
+        act_order: opts.act_order,
         sym: opts.sym,
         damp: opts.damp,
         mse: opts.mse,
@@ -638,7 +650,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         &ck,
         &calib.windows,
         &plan,
-        v1,
+        layout,
         &quant,
         &jdir,
         &mut journal,
@@ -669,7 +681,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     };
     let finish = (|| -> Result<QuantizeReport> {
         // Assemble the checkpoint from the journal.
-        let pb = crate::cli::progress::bar(1, "write");
+        let pb = crate::progress::bar(1, "write");
         let t_write = Instant::now();
         let damp_max = journal
             .layers
@@ -882,7 +894,7 @@ fn run_layers(
     ck: &Checkpoint,
     windows: &[Vec<u32>],
     plan: &[Vec<(String, bool)>],
-    v1: bool,
+    layout: QuantFormat,
     quant: &QuantParams,
     jdir: &Path,
     journal: &mut Journal,
@@ -895,7 +907,7 @@ fn run_layers(
         ck,
         windows,
         plan,
-        v1,
+        layout,
         quant,
         jdir,
         journal,
@@ -914,7 +926,7 @@ fn run_layers_inner(
     ck: &Checkpoint,
     windows: &[Vec<u32>],
     plan: &[Vec<(String, bool)>],
-    v1: bool,
+    layout: QuantFormat,
     quant: &QuantParams,
     jdir: &Path,
     journal: &mut Journal,
@@ -934,7 +946,7 @@ fn run_layers_inner(
         states.push(model.embed(&Tensor::from_vec(flat, (b.len(), seqlen), &opts.device)?)?);
     }
     stages.embed += clock.lap()?;
-    let pb = crate::cli::progress::bar(cfg.num_hidden_layers() as u64, "quantize");
+    let pb = crate::progress::bar(cfg.num_hidden_layers() as u64, "quantize");
     // Replay the layers a previous run finished.
     for entry in journal.layers.clone() {
         pb.set_message(format!("layer {} (replaying journal)", entry.index));
@@ -948,7 +960,7 @@ fn run_layers_inner(
             let p = journal::read_packed(&lf, &prefix)?;
             let lin = layer.linear_mut(m)?;
             let (n, k) = lin.weight.dims2()?;
-            lin.weight = decode_stored(&p, n, k, opts.bits, v1, opts.dtype, &opts.device)?;
+            lin.weight = decode_stored(&p, n, k, opts.bits, layout, opts.dtype, &opts.device)?;
         }
         stages.load += clock.lap()?;
         for h in states.iter_mut() {
@@ -975,10 +987,10 @@ fn run_layers_inner(
         let mut packed: Vec<(String, Packed)> = vec![];
         let mut cache = LayerCache::default();
         for subset in subsets {
-            let names: Vec<(&str, LinearGroup)> = layer
-                .linears()
+            let names: Vec<(&str, LinearGroup)> = sequential(cfg.layer_linears(i))
                 .into_iter()
-                .filter(|(_, g)| subset.contains(g))
+                .filter(|l| subset.contains(&l.group))
+                .map(|l| (l.name, l.group))
                 .collect();
             let mut acc = BTreeMap::new();
             for &g in &subset {
@@ -1117,9 +1129,9 @@ fn run_layers_inner(
                     Method::Rtn => gptq::rtn_quantize(&w, &sopts)?,
                 };
                 stages.column_loop += clock.lap()?;
-                let p = pack(&q, opts.bits, v1).with_context(|| format!("packing {full}"))?;
+                let p = pack(&q, opts.bits, layout).with_context(|| format!("packing {full}"))?;
                 let (n, k) = (q.n, q.k);
-                let deq = decode_stored(&p, n, k, opts.bits, v1, opts.dtype, &opts.device)?;
+                let deq = decode_stored(&p, n, k, opts.bits, layout, opts.dtype, &opts.device)?;
                 stages.pack += clock.lap()?;
                 let rel = match hessians.get(&g) {
                     Some(h) => Some(relative_output_error(&w, &deq, h)?),
@@ -1139,7 +1151,7 @@ fn run_layers_inner(
                     dead_columns: q.dead_columns,
                     seconds: t.elapsed().as_secs_f64(),
                 };
-                crate::cli::progress::println(&pb, row.line());
+                crate::progress::println(&pb, row.line());
                 rows.push(row);
                 packed.push((full, p));
             }
@@ -1195,21 +1207,11 @@ fn dynamic_rules(
         dynamic.insert(key, serde_json::json!({}));
     }
     for (i, mods) in plan.iter().enumerate() {
-        for group in FUSED {
-            let members: Vec<&(String, bool)> = mods
-                .iter()
-                .filter(|(m, _)| group.contains(&m.as_str()))
-                .collect();
-            if members.is_empty() || !members.iter().all(|(_, skipped)| *skipped) {
+        for (fused, members) in fused_members(mods) {
+            if !members.iter().all(|(_, skipped)| *skipped) {
                 continue;
             }
-            let (parent, _) = group[0].rsplit_once('.').expect("qualified member");
-            let leaf = if group.len() == 3 {
-                "qkv_proj"
-            } else {
-                "gate_up_proj"
-            };
-            let fused = format!("model.layers.{i}.{parent}.{leaf}");
+            let fused = format!("model.layers.{i}.{fused}");
             if !user.iter().any(|r| r.is_match(&fused)) {
                 dynamic.insert(
                     format!("-:{}", regex::escape(&fused)),
@@ -1235,14 +1237,14 @@ fn quantization_config(
         "quant_method": "gptq",
         "bits": opts.bits,
         "group_size": opts.group_size,
-        "desc_act": opts.act_order == ActOrder::Dynamic,
+        "desc_act": opts.act_order.desc_act(),
         "sym": opts.sym,
         "lm_head": false,
-        "checkpoint_format": if opts.sym { "gptq" } else { "gptq_v2" },
+        "checkpoint_format": opts.layout().checkpoint_format(),
         "pack_dtype": "int32",
         "damp_percent": opts.damp,
         "true_sequential": opts.true_sequential,
-        "static_groups": opts.act_order == ActOrder::Static,
+        "static_groups": opts.act_order.static_groups(),
         "dynamic": dynamic_rules(opts, plan)?,
         "meta": {
             "quantizer": [format!("soar-gptq:{}", env!("CARGO_PKG_VERSION"))],
@@ -1252,7 +1254,7 @@ fn quantization_config(
             "damp_max_used": damp_max,
             "mse": opts.mse,
             "true_sequential": opts.true_sequential,
-            "static_groups": opts.act_order == ActOrder::Static,
+            "static_groups": opts.act_order.static_groups(),
             "nsamples": opts.nsamples,
             "seqlen": opts.seqlen,
             "seed": opts.seed,
@@ -1286,7 +1288,7 @@ fn output_specs(
     ck: &Checkpoint,
     plan: &[Vec<(String, bool)>],
     bits: u8,
-    group_size: i64,
+    group_size: GroupSize,
 ) -> Result<Vec<TensorSpec>> {
     let quantized: std::collections::BTreeSet<String> = plan
         .iter()
@@ -1303,11 +1305,7 @@ fn output_specs(
         let prefix = name.strip_suffix(".weight").unwrap_or(&name);
         if quantized.contains(prefix) {
             let (n, k) = (shape[0], shape[1]);
-            let g = if group_size > 0 {
-                k / group_size as usize
-            } else {
-                1
-            };
+            let g = group_size.count(k);
             specs.push(TensorSpec::new(
                 format!("{prefix}.qweight"),
                 Dtype::I32,

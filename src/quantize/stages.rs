@@ -210,7 +210,7 @@ impl Preflight {
         let during_mixer = if true_sequential { tokens * h * e } else { 0 } + forward_bytes;
         let during_down = layer_cache_bytes + solve_bytes;
         Self {
-            device: crate::cli::device_label(device),
+            device: crate::device::label(device),
             tokens,
             hidden_states_bytes,
             embed_head_bytes,

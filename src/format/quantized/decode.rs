@@ -76,6 +76,30 @@ pub fn read_module_codes(
 }
 
 impl ModuleCodes {
+    /// The borrowed GPTQ tensors of a GPTQ module (`None` for Marlin), for both decoders.
+    fn gptq_tensors(&self, n: usize, k: usize) -> Option<GptqTensors<'_>> {
+        match self {
+            ModuleCodes::Gptq {
+                qweight,
+                qzeros,
+                scales,
+                g_idx,
+                bits,
+                format,
+            } => Some(GptqTensors {
+                qweight,
+                qzeros,
+                scales,
+                g_idx,
+                k,
+                n,
+                bits: *bits,
+                format: *format,
+            }),
+            ModuleCodes::Marlin { .. } => None,
+        }
+    }
+
     /// `W` `[N, K]` row-major f32 (HF layout, `y = x·Wᵀ`), bit-exactly `f32(scale) · (code − zero)`
     /// (Marlin: zero 8, rows un-sorted), on the CPU.
     pub fn dequantize(&self, n: usize, k: usize) -> Result<Vec<f32>> {
@@ -102,23 +126,9 @@ impl ModuleCodes {
                 });
                 Ok(w)
             }
-            ModuleCodes::Gptq {
-                qweight,
-                qzeros,
-                scales,
-                g_idx,
-                bits,
-                format,
-            } => dequantize_gptq_nk(&GptqTensors {
-                qweight,
-                qzeros,
-                scales,
-                g_idx,
-                k,
-                n,
-                bits: *bits,
-                format: *format,
-            }),
+            ModuleCodes::Gptq { .. } => {
+                dequantize_gptq_nk(&self.gptq_tensors(n, k).expect("a GPTQ module"))
+            }
         }
     }
 
@@ -144,26 +154,9 @@ impl ModuleCodes {
             return crate::kernels::cuda::dequant_marlin(device, b, scales, src_row, k, n, *group);
         }
         match self {
-            ModuleCodes::Gptq {
-                qweight,
-                qzeros,
-                scales,
-                g_idx,
-                bits,
-                format,
-            } => dequantize_gptq_tensor(
-                &GptqTensors {
-                    qweight,
-                    qzeros,
-                    scales,
-                    g_idx,
-                    k,
-                    n,
-                    bits: *bits,
-                    format: *format,
-                },
-                device,
-            ),
+            ModuleCodes::Gptq { .. } => {
+                dequantize_gptq_tensor(&self.gptq_tensors(n, k).expect("a GPTQ module"), device)
+            }
             ModuleCodes::Marlin { .. } => Ok(candle_core::Tensor::from_vec(
                 self.dequantize(n, k)?,
                 (n, k),

@@ -25,20 +25,19 @@ fn gpu() -> Option<Device> {
     }
 }
 
-/// Correlated inputs `[tokens, k]` (unequal feature energies, shared latent factors) and their
-/// f32 Hessian, on the CPU.
 /// A `[rows, cols]` tensor of normal values with standard deviation `std`.
 fn normal_tensor(rng: &mut SplitMix64, rows: usize, cols: usize, std: f32) -> Tensor {
     let v: Vec<f32> = rng.normals(rows * cols).iter().map(|x| x * std).collect();
     Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap()
 }
 
+/// Correlated inputs `[tokens, k]` (unequal feature energies, shared latent factors) and their
+/// f32 Hessian, on the CPU.
 fn correlated_hessian(rng: &mut SplitMix64, tokens: usize, k: usize) -> Tensor {
     let scale: Vec<f32> = (0..k)
         .map(|_| (0.5 * (rng.normal() as f32)).exp())
         .collect();
-    let z = rng
-        .tensor(tokens, k, 1.0)
+    let z = normal_tensor(rng, tokens, k, 1.0)
         .broadcast_mul(&Tensor::new(scale.as_slice(), &Device::Cpu).unwrap())
         .unwrap();
     let f = normal_tensor(rng, tokens, 16, 1.0);

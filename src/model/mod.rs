@@ -4,6 +4,7 @@ pub mod arch;
 pub mod config;
 pub mod gla;
 pub mod llama;
+pub mod llama_config;
 pub mod minicpm_sala;
 pub mod nn;
 

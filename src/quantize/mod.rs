@@ -11,6 +11,7 @@
 
 mod card;
 mod journal;
+mod layers;
 mod report;
 pub mod stages;
 
@@ -19,15 +20,15 @@ use crate::checkpoint::guard::{self, InputPath};
 use crate::checkpoint::writer::{self, OutputDir, TensorSpec};
 use crate::checkpoint::{Checkpoint, Dtype};
 use crate::engine::{self, config::ConfigEdits, Engine};
-use crate::format::{self, quantized::FUSED_GROUPS};
-use crate::gptq::{self, HessianAccumulator, QuantParams, QuantizedLinear, SolveOptions};
-use crate::model::{sequential, AnyConfig, AnyLayer, AnyModel, LinearGroup};
+use crate::format::quantized::{skip_rules, GptqConfig, FUSED_GROUPS};
+use crate::gptq::QuantParams;
+use crate::model::AnyConfig;
 use crate::scheme::{ActOrder, GroupSize, QuantFormat};
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
-use journal::{Journal, JournalLayer, Packed};
+use candle_core::{DType, Device};
+use journal::Journal;
 pub use report::{ModuleRow, QuantizeReport};
-use stages::{Preflight, StageClock, Stages};
+use stages::{Preflight, Stages};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -87,16 +88,6 @@ impl QuantizeOptions {
         }
     }
 }
-
-/// Sentinel error that ends a layer's forward once the wanted subset's input has been seen.
-#[derive(Debug)]
-struct StopForward;
-impl std::fmt::Display for StopForward {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("forward stopped after capture")
-    }
-}
-impl std::error::Error for StopForward {}
 
 /// Settings that determine the output; hashed into the journal and recorded in the report.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -192,179 +183,6 @@ pub fn peak_rss_bytes() -> Option<u64> {
     let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
-}
-
-fn pack(q: &QuantizedLinear, bits: u8, layout: QuantFormat) -> Result<Packed> {
-    let (n, k) = (q.n, q.k);
-    let groups = q.n_groups();
-    Ok(Packed {
-        qweight: format::pack::pack_qweight_nk(&q.codes, n, k, bits)?,
-        qzeros: format::pack_qzeros(&q.zeros, groups, n, bits, layout)?,
-        scales_f16: format::f32_to_f16_le_bytes(&q.scales),
-        g_idx: q.g_idx.clone(),
-    })
-}
-
-/// The weights a server computes with: decoded from the stored tensors (fp16 scales), as
-/// `[N, K]` in `dtype`. Used both after a solve and when a resumed run replays finished layers,
-/// so both paths feed the next layer bit-identical weights.
-fn decode_stored(
-    p: &Packed,
-    n: usize,
-    k: usize,
-    bits: u8,
-    layout: QuantFormat,
-    dtype: DType,
-    device: &Device,
-) -> Result<Tensor> {
-    let scales = format::f16_le_bytes_to_f32(&p.scales_f16)?;
-    let t = format::GptqTensors {
-        qweight: &p.qweight,
-        qzeros: &p.qzeros,
-        scales: &scales,
-        g_idx: &p.g_idx,
-        k,
-        n,
-        bits,
-        format: layout,
-    };
-    Ok(format::dequantize_gptq_tensor(&t, device)?.to_dtype(dtype)?)
-}
-
-/// ||X(W−Q)ᵀ||_F / ||XWᵀ||_F on the calibration tokens, from H ∝ XᵀX: sqrt(tr(D H Dᵀ) / tr(W H Wᵀ)).
-/// A report figure, not part of the output: on a GPU the products run in BF16 with f32
-/// accumulation (N·K² per module would otherwise cost more than the solve).
-fn relative_output_error(w: &Tensor, q: &Tensor, h: &Tensor) -> Result<f64> {
-    let w = w.to_dtype(DType::F32)?;
-    let d = (&w - q.to_dtype(DType::F32)?)?;
-    let gpu = w.device().is_cuda();
-    let hb = if gpu {
-        h.to_dtype(DType::BF16)?
-    } else {
-        h.clone()
-    };
-    let quad = |m: &Tensor| -> Result<f64> {
-        let mh = if gpu {
-            m.to_dtype(DType::BF16)?.matmul(&hb)?.to_dtype(DType::F32)?
-        } else {
-            m.matmul(h)?
-        };
-        Ok(mh
-            .mul(m)?
-            .sum_all()?
-            .to_dtype(DType::F64)?
-            .to_scalar::<f64>()?)
-    };
-    let den = quad(&w)?;
-    Ok(if den > 0.0 {
-        (quad(&d)? / den).max(0.0).sqrt()
-    } else {
-        0.0
-    })
-}
-
-/// Per-batch results of the current layer kept across true-sequential subsets.
-#[derive(Default)]
-struct LayerCache {
-    /// The mixer's gated output (input of o_proj), after q/k/v/gate are quantized.
-    mixer: Option<Vec<Tensor>>,
-    /// `h + o_proj(mixer)·residual`, after o_proj is quantized.
-    h1: Option<Vec<Tensor>>,
-    /// The MLP activation (input of down_proj), after gate/up are quantized.
-    act: Option<Vec<Tensor>>,
-}
-
-impl LayerCache {
-    /// The input of group `g` for batch `bi`, flattened to `[B·T, K]`.
-    fn input(
-        &self,
-        layer: &AnyLayer,
-        g: LinearGroup,
-        states: &[Tensor],
-        bi: usize,
-    ) -> Result<Tensor> {
-        let flat = |x: &Tensor| -> Result<Tensor> {
-            let k = x.dim(candle_core::D::Minus1)?;
-            Ok(x.reshape(((), k))?)
-        };
-        match g {
-            LinearGroup::Qkv => flat(&layer.input_norm(&states[bi])?),
-            LinearGroup::O => flat(&self.mixer.as_ref().expect("mixer computed")[bi]),
-            LinearGroup::GateUp => {
-                flat(&layer.mlp_input(&self.h1.as_ref().expect("h1 computed")[bi])?)
-            }
-            LinearGroup::Down => flat(&self.act.as_ref().expect("act computed")[bi]),
-        }
-    }
-}
-
-/// Runs `layer` over all hidden-state batches, feeding the inputs of `groups` to their
-/// accumulators and stopping each forward after the last wanted group (all groups at once:
-/// `--no-true-sequential`). Time up to each capture is charged to the forward, the accumulation
-/// itself to the Hessians.
-fn accumulate(
-    layer: &AnyLayer,
-    states: &[Tensor],
-    groups: &[LinearGroup],
-    acc: &mut BTreeMap<LinearGroup, HessianAccumulator>,
-    clock: &mut StageClock,
-    stages: &mut Stages,
-) -> Result<()> {
-    let last = *groups.iter().max().expect("at least one group");
-    for h in states {
-        let mut capture = |g: LinearGroup, x: &Tensor| -> Result<()> {
-            if groups.contains(&g) {
-                stages.forward += clock.lap()?;
-                let a = acc.get_mut(&g).expect("accumulator per group");
-                a.add_batch(x, None)?;
-                let (rows, k) = x.dims2()?;
-                stages.hessian_flops += 2.0 * rows as f64 * (k * k) as f64;
-                stages.hessians += clock.lap()?;
-            }
-            if g == last {
-                return Err(StopForward.into());
-            }
-            Ok(())
-        };
-        match layer.forward(h, &mut capture) {
-            Ok(_) => {}
-            Err(e) if e.downcast_ref::<StopForward>().is_some() => {}
-            Err(e) => return Err(e),
-        }
-    }
-    stages.forward += clock.lap()?;
-    Ok(())
-}
-
-/// The Hessian of group `g` of layer `i` as saved by `--save-hessians`, checked against the
-/// modules and width this run expects.
-fn load_saved_hessian(
-    dir: &Path,
-    i: usize,
-    g: LinearGroup,
-    want: &HessianAccumulator,
-    device: &Device,
-) -> Result<HessianAccumulator> {
-    let path = dir.join(format!("layer-{i:05}.{}.safetensors", g.name()));
-    if !path.is_file() {
-        bail!(
-            "--load-hessians {}: {} is missing; save Hessians with --save-hessians from a run over the same model",
-            dir.display(),
-            path.display()
-        );
-    }
-    let a = HessianAccumulator::load(&path, device)?;
-    if a.k() != want.k() || a.module_names() != want.module_names() {
-        bail!(
-            "--load-hessians: {} serves {:?} with K = {}, but this run needs {:?} with K = {}: it was saved from another model",
-            path.display(),
-            a.module_names(),
-            a.k(),
-            want.module_names(),
-            want.k()
-        );
-    }
-    Ok(a)
 }
 
 /// Every path `quantize` reads besides the model: calibration files and folders, saved Hessians.
@@ -644,18 +462,17 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         crate::kernels::cuda::keep_pool_memory(&opts.device)?;
     }
     let mut stages = Stages::default();
-    let result = run_layers(
+    let result = layers::LayerRun {
         opts,
-        &cfg,
-        &ck,
-        &calib.windows,
-        &plan,
+        cfg: &cfg,
+        ck: &ck,
+        windows: &calib.windows,
+        plan: &plan,
         layout,
-        &quant,
-        &jdir,
-        &mut journal,
-        &mut stages,
-    );
+        quant,
+        jdir: &jdir,
+    }
+    .run(&mut journal, &mut stages);
     if let Err(e) = result {
         if !journal.layers.is_empty() {
             out.keep_on_failure(true);
@@ -855,372 +672,18 @@ fn host_available_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
-/// A finished layer whose journal file is being written (and hashed) on a background thread
-/// while the next layer computes.
-struct PendingLayer {
-    index: usize,
-    rows: Vec<ModuleRow>,
-    seconds: f64,
-    write: std::thread::JoinHandle<Result<(String, String)>>,
-}
-
-/// Waits for the pending layer's file and records the layer in the journal.
-fn flush_pending(
-    pending: &mut Option<PendingLayer>,
-    journal: &mut Journal,
-    jdir: &Path,
-) -> Result<()> {
-    if let Some(p) = pending.take() {
-        let (file, sha256) = p
-            .write
-            .join()
-            .map_err(|_| anyhow!("the journal writer thread panicked"))??;
-        journal.layers.push(JournalLayer {
-            index: p.index,
-            file,
-            sha256,
-            rows: p.rows,
-            seconds: p.seconds,
-        });
-        journal.save(jdir)?;
-    }
-    Ok(())
-}
-
-#[allow(clippy::too_many_arguments)]
-fn run_layers(
-    opts: &QuantizeOptions,
-    cfg: &AnyConfig,
-    ck: &Checkpoint,
-    windows: &[Vec<u32>],
-    plan: &[Vec<(String, bool)>],
-    layout: QuantFormat,
-    quant: &QuantParams,
-    jdir: &Path,
-    journal: &mut Journal,
-    stages: &mut Stages,
-) -> Result<()> {
-    let mut pending = None;
-    let r = run_layers_inner(
-        opts,
-        cfg,
-        ck,
-        windows,
-        plan,
-        layout,
-        quant,
-        jdir,
-        journal,
-        stages,
-        &mut pending,
-    );
-    // Whatever happened, a layer that finished is recorded, so --resume can continue after it.
-    let flushed = flush_pending(&mut pending, journal, jdir);
-    r.and(flushed)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn run_layers_inner(
-    opts: &QuantizeOptions,
-    cfg: &AnyConfig,
-    ck: &Checkpoint,
-    windows: &[Vec<u32>],
-    plan: &[Vec<(String, bool)>],
-    layout: QuantFormat,
-    quant: &QuantParams,
-    jdir: &Path,
-    journal: &mut Journal,
-    stages: &mut Stages,
-    pending: &mut Option<PendingLayer>,
-) -> Result<()> {
-    let mut clock = StageClock::new(&opts.device);
-    let model =
-        AnyModel::load(ck, cfg, opts.dtype, &opts.device).context("loading the embedding")?;
-    let seqlen = windows[0].len();
-    let mut states = vec![];
-    // With saved Hessians no forward runs at all: each Linear is solved from its file; RTN
-    // reads no activations either.
-    let calibrate = opts.load_hessians.is_none() && opts.method == Method::Gptq;
-    for b in windows.chunks(opts.batch.max(1)).filter(|_| calibrate) {
-        let flat: Vec<u32> = b.iter().flatten().copied().collect();
-        states.push(model.embed(&Tensor::from_vec(flat, (b.len(), seqlen), &opts.device)?)?);
-    }
-    stages.embed += clock.lap()?;
-    let pb = crate::progress::bar(cfg.num_hidden_layers() as u64, "quantize");
-    // Replay the layers a previous run finished.
-    for entry in journal.layers.clone() {
-        pb.set_message(format!("layer {} (replaying journal)", entry.index));
-        let mut layer = model.load_layer(ck, entry.index)?;
-        let lf = journal::open_layer_file(jdir, &entry)?;
-        for (m, skipped) in &plan[entry.index] {
-            if *skipped {
-                continue;
-            }
-            let prefix = format!("model.layers.{}.{m}", entry.index);
-            let p = journal::read_packed(&lf, &prefix)?;
-            let lin = layer.linear_mut(m)?;
-            let (n, k) = lin.weight.dims2()?;
-            lin.weight = decode_stored(&p, n, k, opts.bits, layout, opts.dtype, &opts.device)?;
-        }
-        stages.load += clock.lap()?;
-        for h in states.iter_mut() {
-            *h = layer.forward(h, &mut |_, _| Ok(()))?;
-        }
-        stages.forward += clock.lap()?;
-        pb.inc(1);
-    }
-    let start = journal.layers.len();
-    for i in start..cfg.num_hidden_layers() {
-        if opts.stop_after_layers.is_some_and(|n| i >= n) {
-            bail!("stopped after {i} layer(s) as requested (--stop-after-layers)");
-        }
-        crate::fault::point("a layer starts");
-        let t_layer = Instant::now();
-        let mut layer = model.load_layer(ck, i)?;
-        stages.load += clock.lap()?;
-        let subsets: Vec<Vec<LinearGroup>> = if opts.true_sequential {
-            LinearGroup::ALL.iter().map(|g| vec![*g]).collect()
-        } else {
-            vec![LinearGroup::ALL.to_vec()]
-        };
-        let mut rows = vec![];
-        let mut packed: Vec<(String, Packed)> = vec![];
-        let mut cache = LayerCache::default();
-        for subset in subsets {
-            let names: Vec<(&str, LinearGroup)> = sequential(cfg.layer_linears(i))
-                .into_iter()
-                .filter(|l| subset.contains(&l.group))
-                .map(|l| (l.name, l.group))
-                .collect();
-            let mut acc = BTreeMap::new();
-            for &g in &subset {
-                let m = names
-                    .iter()
-                    .find(|(_, gg)| *gg == g)
-                    .expect("each group has a Linear")
-                    .0;
-                let k = layer.linear_mut(m)?.weight.dim(1)?;
-                let mut a = HessianAccumulator::new(k, &opts.device)?;
-                a.set_module_names(
-                    names
-                        .iter()
-                        .filter(|(_, gg)| *gg == g)
-                        .map(|(n, _)| format!("model.layers.{i}.{n}"))
-                        .collect(),
-                );
-                acc.insert(g, a);
-            }
-            pb.set_message(format!(
-                "layer {i}: Hessians {}",
-                subset
-                    .iter()
-                    .map(|g| g.name())
-                    .collect::<Vec<_>>()
-                    .join("+")
-            ));
-            // True-sequential: once the Linears before a subset are quantized, its input is
-            // fixed; compute it once per batch and keep it (the mixer output for o_proj, the
-            // post-attention state for gate/up, the MLP activation for down_proj).
-            if opts.true_sequential && calibrate {
-                let t = clock.lap()?;
-                stages.forward += t;
-                match subset[0] {
-                    LinearGroup::Qkv => {}
-                    LinearGroup::O => {
-                        pb.set_message(format!("layer {i}: attention"));
-                        cache.mixer = Some(
-                            states
-                                .iter()
-                                .map(|h| layer.mixer_output(h))
-                                .collect::<Result<Vec<_>>>()?,
-                        );
-                        let t = clock.lap()?;
-                        stages.forward += t;
-                        match layer.mixer_name() {
-                            "minicpm4" => stages.mixer_sparse += t,
-                            "lightning-attn" => stages.mixer_lightning += t,
-                            _ => stages.mixer_attention += t,
-                        }
-                    }
-                    LinearGroup::GateUp => {
-                        let mixer = cache.mixer.take().expect("computed for o_proj");
-                        cache.h1 = Some(
-                            states
-                                .iter()
-                                .zip(&mixer)
-                                .map(|(h, m)| layer.attn_residual(h, m))
-                                .collect::<Result<Vec<_>>>()?,
-                        );
-                    }
-                    LinearGroup::Down => {
-                        let h1 = cache.h1.as_ref().expect("computed for gate/up");
-                        cache.act = Some(
-                            h1.iter()
-                                .map(|h| layer.mlp_act(&layer.mlp_input(h)?))
-                                .collect::<Result<Vec<_>>>()?,
-                        );
-                    }
-                }
-                stages.forward += clock.lap()?;
-            }
-            if opts.method == Method::Gptq {
-                match &opts.load_hessians {
-                    Some(dir) => {
-                        for (g, a) in acc.iter_mut() {
-                            *a = load_saved_hessian(dir, i, *g, a, &opts.device)?;
-                        }
-                        stages.hessians += clock.lap()?;
-                    }
-                    None if opts.true_sequential => {
-                        let g = subset[0];
-                        let a = acc.get_mut(&g).expect("accumulator per group");
-                        for bi in 0..states.len() {
-                            let x = cache.input(&layer, g, &states, bi)?;
-                            stages.forward += clock.lap()?;
-                            let (rows, k) = x.dims2()?;
-                            a.add_batch(&x, None)?;
-                            stages.hessian_flops += 2.0 * rows as f64 * (k * k) as f64;
-                            stages.hessians += clock.lap()?;
-                        }
-                    }
-                    None => accumulate(&layer, &states, &subset, &mut acc, &mut clock, stages)?,
-                }
-            }
-            let mut hessians = BTreeMap::new();
-            let mut factors = BTreeMap::new();
-            if opts.method == Method::Gptq {
-                for (g, a) in &acc {
-                    if let Some(dir) = &opts.save_hessians {
-                        a.save(&dir.join(format!("layer-{i:05}.{}.safetensors", g.name())))?;
-                    }
-                    hessians.insert(*g, a.hessian()?);
-                }
-                stages.hessians += clock.lap()?;
-            }
-            for (m, g) in names {
-                let full = format!("model.layers.{i}.{m}");
-                let skipped = plan[i].iter().any(|(n, s)| n == m && *s);
-                if skipped {
-                    rows.push(ModuleRow::skipped(&full, g));
-                    continue;
-                }
-                pb.set_message(format!("layer {i}: solving {m}"));
-                let t = Instant::now();
-                let lin = layer.linear_mut(m)?;
-                let w = lin.weight.clone();
-                let sopts = SolveOptions {
-                    quant: *quant,
-                    act_order: opts.act_order,
-                    damp: opts.damp,
-                    block_size: 128,
-                    module: full.clone(),
-                };
-                if opts.method == Method::Gptq && !factors.contains_key(&g) {
-                    // One factorization per Hessian, shared by the Linears that read its input.
-                    let fopts = SolveOptions {
-                        module: acc[&g].module_names().join(", "),
-                        ..sopts.clone()
-                    };
-                    factors.insert(g, gptq::factorize(&hessians[&g], &fopts)?);
-                    stages.factorization += clock.lap()?;
-                }
-                let q = match opts.method {
-                    Method::Gptq => gptq::gptq_quantize_factored(&w, &factors[&g], &sopts)?,
-                    Method::Rtn => gptq::rtn_quantize(&w, &sopts)?,
-                };
-                stages.column_loop += clock.lap()?;
-                let p = pack(&q, opts.bits, layout).with_context(|| format!("packing {full}"))?;
-                let (n, k) = (q.n, q.k);
-                let deq = decode_stored(&p, n, k, opts.bits, layout, opts.dtype, &opts.device)?;
-                stages.pack += clock.lap()?;
-                let rel = match hessians.get(&g) {
-                    Some(h) => Some(relative_output_error(&w, &deq, h)?),
-                    None => None,
-                };
-                stages.report += clock.lap()?;
-                lin.weight = deq;
-                let row = ModuleRow {
-                    module: full.clone(),
-                    group: g.name().to_string(),
-                    n,
-                    k,
-                    quantized: true,
-                    loss: q.loss,
-                    rel_output_error: rel,
-                    damp: q.damp_used,
-                    dead_columns: q.dead_columns,
-                    seconds: t.elapsed().as_secs_f64(),
-                };
-                crate::progress::println(&pb, row.line());
-                rows.push(row);
-                packed.push((full, p));
-            }
-        }
-        pb.set_message(format!("layer {i}: forward"));
-        match (cache.h1.take(), cache.act.take()) {
-            (Some(h1), Some(act)) => {
-                for ((h, h1), act) in states.iter_mut().zip(&h1).zip(&act) {
-                    *h = layer.mlp_residual(h1, act)?;
-                }
-            }
-            _ => {
-                for h in states.iter_mut() {
-                    *h = layer.forward(h, &mut |_, _| Ok(()))?;
-                }
-            }
-        }
-        stages.forward += clock.lap()?;
-        // The previous layer's file was written while this layer computed.
-        flush_pending(pending, journal, jdir)?;
-        stages.journal += clock.lap()?;
-        let dir = jdir.to_path_buf();
-        *pending = Some(PendingLayer {
-            index: i,
-            rows,
-            seconds: t_layer.elapsed().as_secs_f64(),
-            write: std::thread::spawn(move || journal::write_layer_file(&dir, i, &packed)),
-        });
-        pb.inc(1);
-        crate::fault::delay("SOAR_GPTQ_TEST_LAYER_DELAY_MS");
-    }
-    pb.finish_and_clear();
-    Ok(())
-}
-
-/// The `dynamic` rules of the output: `"-:.*(?:REGEX)": {}` per `--skip` (engines apply rules
-/// with Python's `re.match`, anchored at the start, while `--skip` searches anywhere in the
-/// name), plus, for every fused group the skips keep in 16 bits whose fused name
-/// (`model.layers.i.self_attn.qkv_proj`, what SGLang and vLLM match rules against) none of
-/// those rules matches, an exact rule for that name.
-fn dynamic_rules(
-    opts: &QuantizeOptions,
-    plan: &[Vec<(String, bool)>],
-) -> Result<serde_json::Map<String, serde_json::Value>> {
-    let mut dynamic = serde_json::Map::new();
-    let mut user = vec![];
-    for r in &opts.skip {
-        let key = format!("-:.*(?:{r})");
-        user.push(
-            regex::Regex::new(&format!("^(?:.*(?:{r}))"))
-                .map_err(|e| anyhow!("--skip {r:?} is not a valid regular expression: {e}"))?,
-        );
-        dynamic.insert(key, serde_json::json!({}));
-    }
+/// The fused modules (`model.layers.i.self_attn.qkv_proj`) whose members the plan all keeps in
+/// 16 bits: the names the engines look up in `dynamic`.
+fn kept_fused(plan: &[Vec<(String, bool)>]) -> Vec<String> {
+    let mut out = vec![];
     for (i, mods) in plan.iter().enumerate() {
         for (fused, members) in fused_members(mods) {
-            if !members.iter().all(|(_, skipped)| *skipped) {
-                continue;
-            }
-            let fused = format!("model.layers.{i}.{fused}");
-            if !user.iter().any(|r| r.is_match(&fused)) {
-                dynamic.insert(
-                    format!("-:{}", regex::escape(&fused)),
-                    serde_json::json!({}),
-                );
+            if members.iter().all(|(_, skipped)| *skipped) {
+                out.push(format!("model.layers.{i}.{fused}"));
             }
         }
     }
-    Ok(dynamic)
+    out
 }
 
 /// `quantization_config` of the output. `damp_max` and the calibration fields are the run's;
@@ -1233,52 +696,49 @@ fn quantization_config(
     calib_usage: serde_json::Value,
     calib_sha256: &str,
 ) -> Result<serde_json::Value> {
-    let mut qc = serde_json::json!({
-        "quant_method": "gptq",
-        "bits": opts.bits,
-        "group_size": opts.group_size,
-        "desc_act": opts.act_order.desc_act(),
-        "sym": opts.sym,
-        "lm_head": false,
-        "checkpoint_format": opts.layout().checkpoint_format(),
-        "pack_dtype": "int32",
+    let meta = serde_json::json!({
+        "quantizer": [format!("soar-gptq:{}", env!("CARGO_PKG_VERSION"))],
+        "method": s.method,
+        "act_order": s.act_order,
         "damp_percent": opts.damp,
+        "damp_max_used": damp_max,
+        "mse": opts.mse,
         "true_sequential": opts.true_sequential,
         "static_groups": opts.act_order.static_groups(),
-        "dynamic": dynamic_rules(opts, plan)?,
-        "meta": {
-            "quantizer": [format!("soar-gptq:{}", env!("CARGO_PKG_VERSION"))],
-            "method": s.method,
-            "act_order": s.act_order,
-            "damp_percent": opts.damp,
-            "damp_max_used": damp_max,
-            "mse": opts.mse,
-            "true_sequential": opts.true_sequential,
-            "static_groups": opts.act_order.static_groups(),
-            "nsamples": opts.nsamples,
-            "seqlen": opts.seqlen,
-            "seed": opts.seed,
-            "engine": opts.engine.map_or("none", Engine::name),
-            "calibration": calib_usage,
-            "calibration_sha256": calib_sha256,
-        }
+        "nsamples": opts.nsamples,
+        "seqlen": opts.seqlen,
+        "seed": opts.seed,
+        "engine": opts.engine.map_or("none", Engine::name),
+        "calibration": calib_usage,
+        "calibration_sha256": calib_sha256,
     });
-    // transformers ignores `dynamic`: it needs the quantized modules listed (optimum keeps the
-    // Linears whose names end with an entry).
+    // transformers ignores `dynamic`: it needs the quantized modules listed.
     let skipped = plan.iter().flatten().any(|(_, s)| *s);
-    if opts.engine == Some(Engine::Transformers) && skipped {
-        let names: Vec<String> = plan
-            .iter()
-            .enumerate()
-            .flat_map(|(i, mods)| {
-                mods.iter()
-                    .filter(|(_, s)| !s)
-                    .map(move |(m, _)| format!("model.layers.{i}.{m}"))
-            })
-            .collect();
-        qc["modules_in_block_to_quantize"] = serde_json::json!([names]);
-    }
-    Ok(qc)
+    let modules_in_block_to_quantize =
+        (opts.engine == Some(Engine::Transformers) && skipped).then(|| {
+            plan.iter()
+                .enumerate()
+                .flat_map(|(i, mods)| {
+                    mods.iter()
+                        .filter(|(_, s)| !s)
+                        .map(move |(m, _)| format!("model.layers.{i}.{m}"))
+                })
+                .collect()
+        });
+    let qc = GptqConfig {
+        bits: opts.bits,
+        group_size: opts.group_size,
+        sym: opts.sym,
+        desc_act: opts.act_order.desc_act(),
+        static_groups: opts.act_order.static_groups(),
+        format: opts.layout(),
+        damp_percent: opts.damp,
+        true_sequential: opts.true_sequential,
+        dynamic: skip_rules(&opts.skip, &kept_fused(plan))?,
+        modules_in_block_to_quantize,
+        meta,
+    };
+    Ok(qc.to_json())
 }
 
 /// The output's tensors in the order they are written: the source's, with every quantized

@@ -25,8 +25,8 @@ mod validate;
 pub use decode::{dequantize_gptq_tensor, dequantize_module, read_module_codes, ModuleCodes};
 pub(crate) use settings::read_json;
 pub use settings::{
-    dynamic_key_order, natural_cmp, read_quant_info, DynamicRule, ModuleQuant, QuantInfo,
-    QuantOverride,
+    dynamic_key_order, natural_cmp, read_quant_info, skip_rules, DynamicRule, GptqConfig,
+    ModuleQuant, QuantInfo, QuantOverride,
 };
 pub(crate) use validate::at;
 pub use validate::{
@@ -137,6 +137,77 @@ mod tests {
         assert!(e.contains("group_size is 0"), "{e}");
         let e = info(json!({"group_size": 128})).unwrap_err().to_string();
         assert!(e.contains("no bits"), "{e}");
+    }
+
+    /// What the writer records, the reader reads back: every setting, the layout, and which
+    /// modules the `dynamic` rules keep in 16 bits (search patterns, exact fused names).
+    #[test]
+    fn written_settings_read_back_the_same() {
+        for (bits, group, sym, desc_act, format) in [
+            (4, GroupSize::G128, true, true, QuantFormat::GptqV1),
+            (
+                8,
+                GroupSize::from_i64(-1).unwrap(),
+                false,
+                false,
+                QuantFormat::GptqV2,
+            ),
+            (
+                3,
+                GroupSize::from_i64(32).unwrap(),
+                true,
+                false,
+                QuantFormat::GptqV1,
+            ),
+        ] {
+            let skip = vec!["mlp\\.down_proj".to_string()];
+            let kept = vec![
+                "model.layers.3.self_attn.qkv_proj".to_string(),
+                "model.layers.5.mlp.down_proj".to_string(),
+            ];
+            let written = GptqConfig {
+                bits,
+                group_size: group,
+                sym,
+                desc_act,
+                static_groups: false,
+                format,
+                damp_percent: 0.01,
+                true_sequential: true,
+                dynamic: skip_rules(&skip, &kept).unwrap(),
+                modules_in_block_to_quantize: None,
+                meta: json!({"quantizer": ["test"]}),
+            }
+            .to_json();
+            let i = info(written.clone()).unwrap();
+            assert_eq!(
+                (i.bits, i.group_size, i.sym, i.desc_act, i.format),
+                (bits, group, sym, desc_act, format)
+            );
+            assert!(i.missing_keys.is_empty(), "{:?}", i.missing_keys);
+            assert_eq!(i.quant_method(), Some("gptq"));
+            assert_eq!(i.raw, written);
+            // The search pattern covers down_proj anywhere; the covered fused name gets no rule
+            // of its own, the other one an exact rule.
+            let keys: Vec<&str> = i.dynamic.iter().map(|r| r.key.as_str()).collect();
+            assert_eq!(
+                keys,
+                [
+                    "-:.*(?:mlp\\.down_proj)",
+                    "-:model\\.layers\\.3\\.self_attn\\.qkv_proj"
+                ]
+            );
+            assert!(i.module_settings("model.layers.0.mlp.down_proj").is_none());
+            assert!(i
+                .module_settings("model.layers.3.self_attn.qkv_proj")
+                .is_none());
+            assert!(i
+                .module_settings("model.layers.31.self_attn.qkv_proj")
+                .is_some());
+            assert!(i.module_settings("model.layers.3.mlp.up_proj").is_some());
+        }
+        let e = skip_rules(&["(".to_string()], &[]).unwrap_err().to_string();
+        assert!(e.contains("skip pattern \"(\""), "{e}");
     }
 
     #[test]

@@ -208,6 +208,80 @@ impl QuantInfo {
     }
 }
 
+/// The `quantization_config` a GPTQ writer records: the settings [`QuantInfo::from_json`] reads
+/// back (and the engines load by), plus the writer's provenance. The writer of the keys lives
+/// here, next to their reader, so the two cannot drift apart.
+#[derive(Debug, Clone)]
+pub struct GptqConfig {
+    pub bits: u8,
+    pub group_size: GroupSize,
+    pub sym: bool,
+    pub desc_act: bool,
+    pub static_groups: bool,
+    pub format: QuantFormat,
+    pub damp_percent: f64,
+    pub true_sequential: bool,
+    /// `dynamic` rules, from [`skip_rules`].
+    pub dynamic: serde_json::Map<String, Value>,
+    /// For transformers (which ignores `dynamic`): the quantized Linears, listed when some are
+    /// kept in 16 bits (optimum keeps the Linears whose names end with an entry).
+    pub modules_in_block_to_quantize: Option<Vec<String>>,
+    /// Who wrote the checkpoint and how (`meta`, GPTQModel's provenance object).
+    pub meta: Value,
+}
+
+impl GptqConfig {
+    /// The `quantization_config` object (keys in serde_json's sorted order).
+    pub fn to_json(&self) -> Value {
+        let mut qc = serde_json::json!({
+            "quant_method": "gptq",
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "desc_act": self.desc_act,
+            "sym": self.sym,
+            "lm_head": false,
+            "checkpoint_format": self.format.checkpoint_format(),
+            "pack_dtype": "int32",
+            "damp_percent": self.damp_percent,
+            "true_sequential": self.true_sequential,
+            "static_groups": self.static_groups,
+            "dynamic": self.dynamic,
+            "meta": self.meta,
+        });
+        if let Some(names) = &self.modules_in_block_to_quantize {
+            qc["modules_in_block_to_quantize"] = serde_json::json!([names]);
+        }
+        qc
+    }
+}
+
+/// `dynamic` rules that keep modules in 16 bits: `"-:.*(?:REGEX)": {}` per search pattern in
+/// `skip` (the engines apply rules with Python's `re.match`, anchored at the start, while a skip
+/// pattern searches anywhere in the name), plus an exact `-:NAME` rule for every fused module in
+/// `kept_fused` (`model.layers.i.self_attn.qkv_proj`, what SGLang and vLLM match rules against)
+/// that none of those rules matches.
+pub fn skip_rules(
+    skip: &[String],
+    kept_fused: &[String],
+) -> Result<serde_json::Map<String, Value>> {
+    let mut dynamic = serde_json::Map::new();
+    let mut searches = vec![];
+    for r in skip {
+        searches.push(
+            Regex::new(&format!("^(?:.*(?:{r}))")).map_err(|e| {
+                anyhow!("skip pattern {r:?} is not a valid regular expression: {e}")
+            })?,
+        );
+        dynamic.insert(format!("-:.*(?:{r})"), serde_json::json!({}));
+    }
+    for fused in kept_fused {
+        if !searches.iter().any(|r| r.is_match(fused)) {
+            dynamic.insert(format!("-:{}", regex::escape(fused)), serde_json::json!({}));
+        }
+    }
+    Ok(dynamic)
+}
+
 fn str_key(
     obj: &serde_json::Map<String, Value>,
     key: &str,

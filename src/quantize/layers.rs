@@ -1,0 +1,658 @@
+//! The layer loop of `quantize`: embed the calibration windows, replay the layers a journal
+//! already holds, then for each remaining layer accumulate the Hessians of each true-sequential
+//! subset, solve and pack its Linears, put the decoded weights back and run the layer forward so
+//! the next one sees the quantized model. Each finished layer's file is written on a background
+//! thread while the next layer computes.
+
+use super::journal::{self, Journal, JournalLayer, Packed};
+use super::stages::{StageClock, Stages};
+use super::{Method, ModuleRow, QuantizeOptions};
+use crate::checkpoint::Checkpoint;
+use crate::format;
+use crate::gptq::{
+    self, Factorization, HessianAccumulator, QuantParams, QuantizedLinear, SolveOptions,
+};
+use crate::model::{sequential, AnyConfig, AnyLayer, AnyModel, LinearGroup};
+use crate::scheme::QuantFormat;
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use indicatif::ProgressBar;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Instant;
+
+/// What every layer of one run reads: the options, the model and its checkpoint, the
+/// calibration windows, the per-layer plan (`(module, skipped)`) and the journal folder.
+pub(super) struct LayerRun<'a> {
+    pub opts: &'a QuantizeOptions,
+    pub cfg: &'a AnyConfig,
+    pub ck: &'a Checkpoint,
+    pub windows: &'a [Vec<u32>],
+    pub plan: &'a [Vec<(String, bool)>],
+    pub layout: QuantFormat,
+    pub quant: QuantParams,
+    pub jdir: &'a Path,
+}
+
+impl LayerRun<'_> {
+    /// Quantizes the layers the journal does not hold yet, recording each in it. Whatever
+    /// happens, a layer that finished is recorded, so `--resume` can continue after it.
+    pub fn run(&self, journal: &mut Journal, stages: &mut Stages) -> Result<()> {
+        let mut pending = None;
+        let r = self.run_pending(journal, stages, &mut pending);
+        let flushed = flush_pending(&mut pending, journal, self.jdir);
+        r.and(flushed)
+    }
+
+    fn run_pending(
+        &self,
+        journal: &mut Journal,
+        stages: &mut Stages,
+        pending: &mut Option<PendingLayer>,
+    ) -> Result<()> {
+        let mut pass = Pass::start(self, stages)?;
+        for entry in journal.layers.clone() {
+            pass.replay(&entry)?;
+        }
+        for i in journal.layers.len()..self.cfg.num_hidden_layers() {
+            if self.opts.stop_after_layers.is_some_and(|n| i >= n) {
+                bail!("stopped after {i} layer(s) as requested (--stop-after-layers)");
+            }
+            crate::fault::point("a layer starts");
+            let t_layer = Instant::now();
+            let LayerResult { rows, packed } = pass.quantize_layer(i)?;
+            // The previous layer's file was written while this layer computed.
+            flush_pending(pending, journal, self.jdir)?;
+            pass.stages.journal += pass.clock.lap()?;
+            let dir = self.jdir.to_path_buf();
+            *pending = Some(PendingLayer {
+                index: i,
+                rows,
+                seconds: t_layer.elapsed().as_secs_f64(),
+                write: std::thread::spawn(move || journal::write_layer_file(&dir, i, &packed)),
+            });
+            pass.pb.inc(1);
+            crate::fault::delay("SOAR_GPTQ_TEST_LAYER_DELAY_MS");
+        }
+        pass.pb.finish_and_clear();
+        Ok(())
+    }
+}
+
+/// One pass over the layers: the hidden states of the calibration batches as they leave the
+/// last layer done, and the clock and stage table the work is charged to.
+struct Pass<'r, 's> {
+    run: &'r LayerRun<'r>,
+    model: AnyModel,
+    /// Hidden states per batch (empty when no forward runs: RTN, or saved Hessians).
+    states: Vec<Tensor>,
+    calibrate: bool,
+    clock: StageClock,
+    stages: &'s mut Stages,
+    pb: ProgressBar,
+}
+
+/// The Linears of one true-sequential subset and the per-group state of its solve.
+struct Subset {
+    groups: Vec<LinearGroup>,
+    /// `(module, group)` in solve order.
+    linears: Vec<(&'static str, LinearGroup)>,
+    acc: BTreeMap<LinearGroup, HessianAccumulator>,
+    hessians: BTreeMap<LinearGroup, Tensor>,
+    /// One factorization per Hessian, shared by the Linears that read its input.
+    factors: BTreeMap<LinearGroup, Factorization>,
+}
+
+/// What a quantized layer leaves for the journal: its report rows and packed tensors.
+#[derive(Default)]
+struct LayerResult {
+    rows: Vec<ModuleRow>,
+    packed: Vec<(String, Packed)>,
+}
+
+impl<'r, 's> Pass<'r, 's> {
+    /// Loads the embedding and embeds the calibration windows, batch by batch.
+    fn start(run: &'r LayerRun<'r>, stages: &'s mut Stages) -> Result<Self> {
+        let opts = run.opts;
+        let mut clock = StageClock::new(&opts.device);
+        let model = AnyModel::load(run.ck, run.cfg, opts.dtype, &opts.device)
+            .context("loading the embedding")?;
+        // With saved Hessians no forward runs at all: each Linear is solved from its file; RTN
+        // reads no activations either.
+        let calibrate = opts.load_hessians.is_none() && opts.method == Method::Gptq;
+        let mut states = vec![];
+        if calibrate {
+            let seqlen = run.windows[0].len();
+            for b in run.windows.chunks(opts.batch.max(1)) {
+                let flat: Vec<u32> = b.iter().flatten().copied().collect();
+                let ids = Tensor::from_vec(flat, (b.len(), seqlen), &opts.device)?;
+                states.push(model.embed(&ids)?);
+            }
+        }
+        stages.embed += clock.lap()?;
+        let pb = crate::progress::bar(run.cfg.num_hidden_layers() as u64, "quantize");
+        Ok(Self {
+            run,
+            model,
+            states,
+            calibrate,
+            clock,
+            stages,
+            pb,
+        })
+    }
+
+    /// Replays a layer a previous run finished: its stored codes decoded into the layer, then
+    /// the forward, exactly as after its solve.
+    fn replay(&mut self, entry: &JournalLayer) -> Result<()> {
+        let opts = self.run.opts;
+        self.pb
+            .set_message(format!("layer {} (replaying journal)", entry.index));
+        let mut layer = self.model.load_layer(self.run.ck, entry.index)?;
+        let lf = journal::open_layer_file(self.run.jdir, entry)?;
+        for (m, skipped) in &self.run.plan[entry.index] {
+            if *skipped {
+                continue;
+            }
+            let prefix = format!("model.layers.{}.{m}", entry.index);
+            let p = journal::read_packed(&lf, &prefix)?;
+            let lin = layer.linear_mut(m)?;
+            let (n, k) = lin.weight.dims2()?;
+            lin.weight = decode_stored(
+                &p,
+                n,
+                k,
+                opts.bits,
+                self.run.layout,
+                opts.dtype,
+                &opts.device,
+            )?;
+        }
+        self.stages.load += self.clock.lap()?;
+        for h in self.states.iter_mut() {
+            *h = layer.forward(h, &mut |_, _| Ok(()))?;
+        }
+        self.stages.forward += self.clock.lap()?;
+        self.pb.inc(1);
+        Ok(())
+    }
+
+    /// Quantizes layer `i` subset by subset and runs it forward on the calibration states.
+    fn quantize_layer(&mut self, i: usize) -> Result<LayerResult> {
+        let opts = self.run.opts;
+        let mut layer = self.model.load_layer(self.run.ck, i)?;
+        self.stages.load += self.clock.lap()?;
+        let subsets: Vec<Vec<LinearGroup>> = if opts.true_sequential {
+            LinearGroup::ALL.iter().map(|g| vec![*g]).collect()
+        } else {
+            vec![LinearGroup::ALL.to_vec()]
+        };
+        let mut out = LayerResult::default();
+        let mut cache = LayerCache::default();
+        for groups in subsets {
+            let mut subset = self.subset(&mut layer, i, groups)?;
+            if opts.true_sequential && self.calibrate {
+                self.fill_cache(&layer, i, subset.groups[0], &mut cache)?;
+            }
+            if opts.method == Method::Gptq {
+                self.hessians(&layer, i, &cache, &mut subset)?;
+            }
+            for (m, g) in subset.linears.clone() {
+                let full = format!("model.layers.{i}.{m}");
+                let skipped = self.run.plan[i].iter().any(|(n, s)| n == m && *s);
+                if skipped {
+                    out.rows.push(ModuleRow::skipped(&full, g));
+                    continue;
+                }
+                self.pb.set_message(format!("layer {i}: solving {m}"));
+                self.solve_linear(&mut layer, full, m, g, &mut subset, &mut out)?;
+            }
+        }
+        self.pb.set_message(format!("layer {i}: forward"));
+        match (cache.h1.take(), cache.act.take()) {
+            (Some(h1), Some(act)) => {
+                for ((h, h1), act) in self.states.iter_mut().zip(&h1).zip(&act) {
+                    *h = layer.mlp_residual(h1, act)?;
+                }
+            }
+            _ => {
+                for h in self.states.iter_mut() {
+                    *h = layer.forward(h, &mut |_, _| Ok(()))?;
+                }
+            }
+        }
+        self.stages.forward += self.clock.lap()?;
+        Ok(out)
+    }
+
+    /// The Linears of `groups` in layer `i` with an empty accumulator per group.
+    fn subset(&self, layer: &mut AnyLayer, i: usize, groups: Vec<LinearGroup>) -> Result<Subset> {
+        let linears: Vec<(&'static str, LinearGroup)> = sequential(self.run.cfg.layer_linears(i))
+            .into_iter()
+            .filter(|l| groups.contains(&l.group))
+            .map(|l| (l.name, l.group))
+            .collect();
+        let mut acc = BTreeMap::new();
+        for &g in &groups {
+            let m = linears
+                .iter()
+                .find(|(_, gg)| *gg == g)
+                .expect("each group has a Linear")
+                .0;
+            let k = layer.linear_mut(m)?.weight.dim(1)?;
+            let mut a = HessianAccumulator::new(k, &self.run.opts.device)?;
+            a.set_module_names(
+                linears
+                    .iter()
+                    .filter(|(_, gg)| *gg == g)
+                    .map(|(n, _)| format!("model.layers.{i}.{n}"))
+                    .collect(),
+            );
+            acc.insert(g, a);
+        }
+        self.pb.set_message(format!(
+            "layer {i}: Hessians {}",
+            groups
+                .iter()
+                .map(|g| g.name())
+                .collect::<Vec<_>>()
+                .join("+")
+        ));
+        Ok(Subset {
+            groups,
+            linears,
+            acc,
+            hessians: BTreeMap::new(),
+            factors: BTreeMap::new(),
+        })
+    }
+
+    /// True-sequential: once the Linears before a subset are quantized, its input is fixed;
+    /// compute it once per batch and keep it (the mixer output for o_proj, the post-attention
+    /// state for gate/up, the MLP activation for down_proj).
+    fn fill_cache(
+        &mut self,
+        layer: &AnyLayer,
+        i: usize,
+        g: LinearGroup,
+        cache: &mut LayerCache,
+    ) -> Result<()> {
+        self.stages.forward += self.clock.lap()?;
+        match g {
+            LinearGroup::Qkv => {}
+            LinearGroup::O => {
+                self.pb.set_message(format!("layer {i}: attention"));
+                cache.mixer = Some(
+                    self.states
+                        .iter()
+                        .map(|h| layer.mixer_output(h))
+                        .collect::<Result<Vec<_>>>()?,
+                );
+                let t = self.clock.lap()?;
+                self.stages.forward += t;
+                match layer.mixer_name() {
+                    "minicpm4" => self.stages.mixer_sparse += t,
+                    "lightning-attn" => self.stages.mixer_lightning += t,
+                    _ => self.stages.mixer_attention += t,
+                }
+            }
+            LinearGroup::GateUp => {
+                let mixer = cache.mixer.take().expect("computed for o_proj");
+                cache.h1 = Some(
+                    self.states
+                        .iter()
+                        .zip(&mixer)
+                        .map(|(h, m)| layer.attn_residual(h, m))
+                        .collect::<Result<Vec<_>>>()?,
+                );
+            }
+            LinearGroup::Down => {
+                let h1 = cache.h1.as_ref().expect("computed for gate/up");
+                cache.act = Some(
+                    h1.iter()
+                        .map(|h| layer.mlp_act(&layer.mlp_input(h)?))
+                        .collect::<Result<Vec<_>>>()?,
+                );
+            }
+        }
+        self.stages.forward += self.clock.lap()?;
+        Ok(())
+    }
+
+    /// The subset's Hessians: loaded from `--load-hessians`, or accumulated from its inputs
+    /// (cached ones under true-sequential, otherwise captured in one forward); saved when
+    /// `--save-hessians` asks.
+    fn hessians(
+        &mut self,
+        layer: &AnyLayer,
+        i: usize,
+        cache: &LayerCache,
+        subset: &mut Subset,
+    ) -> Result<()> {
+        let opts = self.run.opts;
+        match &opts.load_hessians {
+            Some(dir) => {
+                for (g, a) in subset.acc.iter_mut() {
+                    *a = load_saved_hessian(dir, i, *g, a, &opts.device)?;
+                }
+                self.stages.hessians += self.clock.lap()?;
+            }
+            None if opts.true_sequential => {
+                let g = subset.groups[0];
+                let a = subset.acc.get_mut(&g).expect("accumulator per group");
+                for bi in 0..self.states.len() {
+                    let x = cache.input(layer, g, &self.states, bi)?;
+                    self.stages.forward += self.clock.lap()?;
+                    let (rows, k) = x.dims2()?;
+                    a.add_batch(&x, None)?;
+                    self.stages.hessian_flops += 2.0 * rows as f64 * (k * k) as f64;
+                    self.stages.hessians += self.clock.lap()?;
+                }
+            }
+            None => accumulate(
+                layer,
+                &self.states,
+                &subset.groups,
+                &mut subset.acc,
+                &mut self.clock,
+                self.stages,
+            )?,
+        }
+        for (g, a) in &subset.acc {
+            if let Some(dir) = &opts.save_hessians {
+                a.save(&dir.join(format!("layer-{i:05}.{}.safetensors", g.name())))?;
+            }
+            subset.hessians.insert(*g, a.hessian()?);
+        }
+        self.stages.hessians += self.clock.lap()?;
+        Ok(())
+    }
+
+    /// Solves one Linear (GPTQ on its group's factorization, or RTN), packs it, and puts the
+    /// weights a server decodes back into the layer.
+    fn solve_linear(
+        &mut self,
+        layer: &mut AnyLayer,
+        full: String,
+        m: &str,
+        g: LinearGroup,
+        subset: &mut Subset,
+        out: &mut LayerResult,
+    ) -> Result<()> {
+        let opts = self.run.opts;
+        let t = Instant::now();
+        let lin = layer.linear_mut(m)?;
+        let w = lin.weight.clone();
+        let sopts = SolveOptions {
+            quant: self.run.quant,
+            act_order: opts.act_order,
+            damp: opts.damp,
+            block_size: 128,
+            module: full.clone(),
+        };
+        if opts.method == Method::Gptq && !subset.factors.contains_key(&g) {
+            let fopts = SolveOptions {
+                module: subset.acc[&g].module_names().join(", "),
+                ..sopts.clone()
+            };
+            subset
+                .factors
+                .insert(g, gptq::factorize(&subset.hessians[&g], &fopts)?);
+            self.stages.factorization += self.clock.lap()?;
+        }
+        let q = match opts.method {
+            Method::Gptq => gptq::gptq_quantize_factored(&w, &subset.factors[&g], &sopts)?,
+            Method::Rtn => gptq::rtn_quantize(&w, &sopts)?,
+        };
+        self.stages.column_loop += self.clock.lap()?;
+        let p = pack(&q, opts.bits, self.run.layout).with_context(|| format!("packing {full}"))?;
+        let (n, k) = (q.n, q.k);
+        let deq = decode_stored(
+            &p,
+            n,
+            k,
+            opts.bits,
+            self.run.layout,
+            opts.dtype,
+            &opts.device,
+        )?;
+        self.stages.pack += self.clock.lap()?;
+        let rel = match subset.hessians.get(&g) {
+            Some(h) => Some(relative_output_error(&w, &deq, h)?),
+            None => None,
+        };
+        self.stages.report += self.clock.lap()?;
+        lin.weight = deq;
+        let row = ModuleRow {
+            module: full.clone(),
+            group: g.name().to_string(),
+            n,
+            k,
+            quantized: true,
+            loss: q.loss,
+            rel_output_error: rel,
+            damp: q.damp_used,
+            dead_columns: q.dead_columns,
+            seconds: t.elapsed().as_secs_f64(),
+        };
+        crate::progress::println(&self.pb, row.line());
+        out.rows.push(row);
+        out.packed.push((full, p));
+        Ok(())
+    }
+}
+
+/// Sentinel error that ends a layer's forward once the wanted subset's input has been seen.
+#[derive(Debug)]
+struct StopForward;
+impl std::fmt::Display for StopForward {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("forward stopped after capture")
+    }
+}
+impl std::error::Error for StopForward {}
+
+fn pack(q: &QuantizedLinear, bits: u8, layout: QuantFormat) -> Result<Packed> {
+    let (n, k) = (q.n, q.k);
+    let groups = q.n_groups();
+    Ok(Packed {
+        qweight: format::pack::pack_qweight_nk(&q.codes, n, k, bits)?,
+        qzeros: format::pack_qzeros(&q.zeros, groups, n, bits, layout)?,
+        scales_f16: format::f32_to_f16_le_bytes(&q.scales),
+        g_idx: q.g_idx.clone(),
+    })
+}
+
+/// The weights a server computes with: decoded from the stored tensors (fp16 scales), as
+/// `[N, K]` in `dtype`. Used both after a solve and when a resumed run replays finished layers,
+/// so both paths feed the next layer bit-identical weights.
+fn decode_stored(
+    p: &Packed,
+    n: usize,
+    k: usize,
+    bits: u8,
+    layout: QuantFormat,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    let scales = format::f16_le_bytes_to_f32(&p.scales_f16)?;
+    let t = format::GptqTensors {
+        qweight: &p.qweight,
+        qzeros: &p.qzeros,
+        scales: &scales,
+        g_idx: &p.g_idx,
+        k,
+        n,
+        bits,
+        format: layout,
+    };
+    Ok(format::dequantize_gptq_tensor(&t, device)?.to_dtype(dtype)?)
+}
+
+/// ||X(W−Q)ᵀ||_F / ||XWᵀ||_F on the calibration tokens, from H ∝ XᵀX: sqrt(tr(D H Dᵀ) / tr(W H Wᵀ)).
+/// A report figure, not part of the output: on a GPU the products run in BF16 with f32
+/// accumulation (N·K² per module would otherwise cost more than the solve).
+fn relative_output_error(w: &Tensor, q: &Tensor, h: &Tensor) -> Result<f64> {
+    let w = w.to_dtype(DType::F32)?;
+    let d = (&w - q.to_dtype(DType::F32)?)?;
+    let gpu = w.device().is_cuda();
+    let hb = if gpu {
+        h.to_dtype(DType::BF16)?
+    } else {
+        h.clone()
+    };
+    let quad = |m: &Tensor| -> Result<f64> {
+        let mh = if gpu {
+            m.to_dtype(DType::BF16)?.matmul(&hb)?.to_dtype(DType::F32)?
+        } else {
+            m.matmul(h)?
+        };
+        Ok(mh
+            .mul(m)?
+            .sum_all()?
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()?)
+    };
+    let den = quad(&w)?;
+    Ok(if den > 0.0 {
+        (quad(&d)? / den).max(0.0).sqrt()
+    } else {
+        0.0
+    })
+}
+
+/// Per-batch results of the current layer kept across true-sequential subsets.
+#[derive(Default)]
+struct LayerCache {
+    /// The mixer's gated output (input of o_proj), after q/k/v/gate are quantized.
+    mixer: Option<Vec<Tensor>>,
+    /// `h + o_proj(mixer)·residual`, after o_proj is quantized.
+    h1: Option<Vec<Tensor>>,
+    /// The MLP activation (input of down_proj), after gate/up are quantized.
+    act: Option<Vec<Tensor>>,
+}
+
+impl LayerCache {
+    /// The input of group `g` for batch `bi`, flattened to `[B·T, K]`.
+    fn input(
+        &self,
+        layer: &AnyLayer,
+        g: LinearGroup,
+        states: &[Tensor],
+        bi: usize,
+    ) -> Result<Tensor> {
+        let flat = |x: &Tensor| -> Result<Tensor> {
+            let k = x.dim(candle_core::D::Minus1)?;
+            Ok(x.reshape(((), k))?)
+        };
+        match g {
+            LinearGroup::Qkv => flat(&layer.input_norm(&states[bi])?),
+            LinearGroup::O => flat(&self.mixer.as_ref().expect("mixer computed")[bi]),
+            LinearGroup::GateUp => {
+                flat(&layer.mlp_input(&self.h1.as_ref().expect("h1 computed")[bi])?)
+            }
+            LinearGroup::Down => flat(&self.act.as_ref().expect("act computed")[bi]),
+        }
+    }
+}
+
+/// Runs `layer` over all hidden-state batches, feeding the inputs of `groups` to their
+/// accumulators and stopping each forward after the last wanted group (all groups at once:
+/// `--no-true-sequential`). Time up to each capture is charged to the forward, the accumulation
+/// itself to the Hessians.
+fn accumulate(
+    layer: &AnyLayer,
+    states: &[Tensor],
+    groups: &[LinearGroup],
+    acc: &mut BTreeMap<LinearGroup, HessianAccumulator>,
+    clock: &mut StageClock,
+    stages: &mut Stages,
+) -> Result<()> {
+    let last = *groups.iter().max().expect("at least one group");
+    for h in states {
+        let mut capture = |g: LinearGroup, x: &Tensor| -> Result<()> {
+            if groups.contains(&g) {
+                stages.forward += clock.lap()?;
+                let a = acc.get_mut(&g).expect("accumulator per group");
+                a.add_batch(x, None)?;
+                let (rows, k) = x.dims2()?;
+                stages.hessian_flops += 2.0 * rows as f64 * (k * k) as f64;
+                stages.hessians += clock.lap()?;
+            }
+            if g == last {
+                return Err(StopForward.into());
+            }
+            Ok(())
+        };
+        match layer.forward(h, &mut capture) {
+            Ok(_) => {}
+            Err(e) if e.downcast_ref::<StopForward>().is_some() => {}
+            Err(e) => return Err(e),
+        }
+    }
+    stages.forward += clock.lap()?;
+    Ok(())
+}
+
+/// The Hessian of group `g` of layer `i` as saved by `--save-hessians`, checked against the
+/// modules and width this run expects.
+fn load_saved_hessian(
+    dir: &Path,
+    i: usize,
+    g: LinearGroup,
+    want: &HessianAccumulator,
+    device: &Device,
+) -> Result<HessianAccumulator> {
+    let path = dir.join(format!("layer-{i:05}.{}.safetensors", g.name()));
+    if !path.is_file() {
+        bail!(
+            "--load-hessians {}: {} is missing; save Hessians with --save-hessians from a run over the same model",
+            dir.display(),
+            path.display()
+        );
+    }
+    let a = HessianAccumulator::load(&path, device)?;
+    if a.k() != want.k() || a.module_names() != want.module_names() {
+        bail!(
+            "--load-hessians: {} serves {:?} with K = {}, but this run needs {:?} with K = {}: it was saved from another model",
+            path.display(),
+            a.module_names(),
+            a.k(),
+            want.module_names(),
+            want.k()
+        );
+    }
+    Ok(a)
+}
+
+/// A finished layer whose journal file is being written (and hashed) on a background thread
+/// while the next layer computes.
+struct PendingLayer {
+    index: usize,
+    rows: Vec<ModuleRow>,
+    seconds: f64,
+    write: std::thread::JoinHandle<Result<(String, String)>>,
+}
+
+/// Waits for the pending layer's file and records the layer in the journal.
+fn flush_pending(
+    pending: &mut Option<PendingLayer>,
+    journal: &mut Journal,
+    jdir: &Path,
+) -> Result<()> {
+    if let Some(p) = pending.take() {
+        let (file, sha256) = p
+            .write
+            .join()
+            .map_err(|_| anyhow!("the journal writer thread panicked"))??;
+        journal.layers.push(JournalLayer {
+            index: p.index,
+            file,
+            sha256,
+            rows: p.rows,
+            seconds: p.seconds,
+        });
+        journal.save(jdir)?;
+    }
+    Ok(())
+}

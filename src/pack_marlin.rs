@@ -33,7 +33,7 @@
 
 use crate::checkpoint::guard::model_inputs;
 use crate::checkpoint::writer::{
-    side_files, write_file, write_sharded, OutputDir, TensorSpec, DEFAULT_SHARD_BYTES,
+    side_files, write_file, write_sharded_parallel, OutputDir, TensorSpec, DEFAULT_SHARD_BYTES,
 };
 use crate::checkpoint::{Checkpoint, Dtype};
 use crate::engine::{self, Engine, EngineCheck};
@@ -48,6 +48,7 @@ use crate::format::quantized::{
 };
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use half::f16;
+use rayon::prelude::*;
 use serde::Serialize;
 use serde_json::Value;
 use std::collections::HashMap;
@@ -81,6 +82,23 @@ pub struct PackMarlinReport {
     /// Why no engine check ran, when one was asked for.
     pub engine_note: Option<String>,
     pub seconds: f64,
+    /// Where the time went.
+    pub stages: PackStages,
+}
+
+/// Seconds per stage of a pack-marlin run.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct PackStages {
+    /// Reading and validating the input (finite values, every module, the fp16 scales).
+    pub check: f64,
+    /// Re-tiling and writing the shards (hashed as they are written).
+    pub write: f64,
+    /// Configs, side files and the bit-exact read-back of every module.
+    pub verify: f64,
+    /// The engine check on the written files.
+    pub engine_check: f64,
+    /// Model card, manifest and the rename into place.
+    pub commit: f64,
 }
 
 impl PackMarlinReport {
@@ -116,7 +134,17 @@ impl PackMarlinReport {
         if let Some(n) = &self.engine_note {
             crate::outln!("               {n}");
         }
-        crate::outln!("time           {:.1} s", self.seconds);
+        let t = &self.stages;
+        crate::outln!(
+            "time           {:.1} s (check {:.1}, write {:.1}, verify {:.1}, engine check {:.1}, \
+             commit {:.1})",
+            self.seconds,
+            t.check,
+            t.write,
+            t.verify,
+            t.engine_check,
+            t.commit
+        );
     }
 }
 
@@ -244,10 +272,17 @@ pub fn pack_marlin_checkpoint(
         );
     }
     // Scales must survive the fp16 Marlin stores; check before anything is written.
-    for m in &modules {
-        scales_f16_bits(&ck, &format!("{}.scales", m.prefix))?;
-    }
+    modules
+        .par_iter()
+        .try_for_each(|m| scales_f16_bits(&ck, &format!("{}.scales", m.prefix)).map(drop))?;
 
+    let mut stages = PackStages::default();
+    let mut mark = Instant::now();
+    let mut lap = |slot: &mut f64| {
+        *slot = mark.elapsed().as_secs_f64();
+        mark = Instant::now();
+    };
+    stages.check = t0.elapsed().as_secs_f64();
     let mut od = OutputDir::create(out, force, &model_inputs("--in", input))?;
     crate::fault::delay("SOAR_GPTQ_TEST_PACK_DELAY_MS");
     let mut owner: HashMap<&str, &QuantModule> = HashMap::new();
@@ -295,12 +330,10 @@ pub fn pack_marlin_checkpoint(
         specs.iter().map(TensorSpec::nbytes).sum(),
         "the tensors",
     )?;
-    let shards = write_sharded(od.path(), &specs, DEFAULT_SHARD_BYTES, |spec, w| {
+    // Re-tiled on all cores, shards written at the same time and hashed as they are written.
+    let shards = write_sharded_parallel(od.path(), &specs, DEFAULT_SHARD_BYTES, |spec| {
         let bytes = match &sources[&spec.name] {
-            Source::Copy => {
-                w.write_all(ck.bytes(&spec.name)?)?;
-                return Ok(());
-            }
+            Source::Copy => return Ok(ck.bytes(&spec.name)?.into()),
             Source::Tiles(m) => {
                 let qweight = ck.i32_data(&format!("{}.qweight", m.prefix))?;
                 let g_idx = ck.i32_data(&format!("{}.g_idx", m.prefix))?;
@@ -316,9 +349,11 @@ pub fn pack_marlin_checkpoint(
                 u16_le_bytes(&permute_scales(&bits, m.groups, m.n)?)
             }
         };
-        w.write_all(&bytes)?;
-        Ok(())
+        Ok(bytes.into())
     })?;
+    od.record_hashed(&shards);
+    let shards: Vec<String> = shards.into_iter().map(|f| f.name).collect();
+    lap(&mut stages.write);
 
     let qcfg = marlin_quant_config(&info.raw);
     let cfg_in = input.join(CONFIG_FILE);
@@ -348,6 +383,7 @@ pub fn pack_marlin_checkpoint(
     od.copy_from_source(input, &side)?;
 
     verify_output(&ck, od.path(), &modules, &copied, expected.as_deref())?;
+    lap(&mut stages.verify);
     // The engine's loader on the written files, as a release with the legacy marlin method.
     // Architectures the check does not model (pack-marlin takes anyone's GPTQ checkpoint) are
     // packed without it; the report says so.
@@ -374,6 +410,7 @@ pub fn pack_marlin_checkpoint(
         None => None,
     };
 
+    lap(&mut stages.engine_check);
     let quantized_bytes = specs
         .iter()
         .filter(|s| !matches!(sources[&s.name], Source::Copy))
@@ -385,6 +422,7 @@ pub fn pack_marlin_checkpoint(
         marlin_card(input, &info, modules.len(), engine_check.as_ref()).as_bytes(),
     )?;
     let output = od.commit()?;
+    lap(&mut stages.commit);
     Ok(PackMarlinReport {
         input: input.display().to_string(),
         output: output.display().to_string(),
@@ -401,6 +439,7 @@ pub fn pack_marlin_checkpoint(
         engine_check,
         engine_note,
         seconds: t0.elapsed().as_secs_f64(),
+        stages,
     })
 }
 
@@ -461,7 +500,8 @@ fn verify_output(
         )
     };
     let outck = Checkpoint::open(dir).context("pack-marlin self-check: re-reading the output")?;
-    for m in modules {
+    // Module by module on all cores: every check reads only its own tensors.
+    modules.par_iter().try_for_each(|m| -> Result<()> {
         let (p, k, n) = (&m.prefix, m.k, m.n);
         let b_name = format!("{p}.B");
         let si_name = format!("{p}.{SORT_INDICES_SUFFIX}");
@@ -512,8 +552,9 @@ fn verify_output(
                 want[i]
             )));
         }
-    }
-    for name in copied {
+        Ok(())
+    })?;
+    copied.par_iter().try_for_each(|name| -> Result<()> {
         let (a, b) = (ck.get(name), outck.get(name));
         let same = match (a, b) {
             (Some(a), Some(b)) => {
@@ -528,7 +569,8 @@ fn verify_output(
                 at(ck, name)
             )));
         }
-    }
+        Ok(())
+    })?;
     let out_info = read_quant_info(dir)?
         .ok_or_else(|| fail("the output has no quantization settings".into()))?;
     if out_info.format != QuantFormat::Marlin {

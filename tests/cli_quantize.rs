@@ -816,3 +816,77 @@ fn saved_hessians_re_solve_without_calibration() {
     ]);
     assert_fails_clean(&o, &out, "layer-00000.qkv.safetensors is missing");
 }
+
+/// `--method gptaq` (a second, full-precision stream) and `--refit`: outputs that load and
+/// differ from GPTQ's, reproducible, resumable to the same bytes (the replay advances both
+/// streams), recorded in the settings; bad combinations are usage errors before any work.
+#[test]
+fn gptaq_and_refit_run_resume_and_refuse_bad_combinations() {
+    let fx = Fixture::new(5);
+    let gptq = fx.quantized("gptq", &[]);
+    let gptaq = fx.quantized("gptaq", &["--method", "gptaq", "--refit"]);
+    assert_ne!(manifest(&gptq), manifest(&gptaq));
+    let again = fx.quantized("again", &["--method", "gptaq", "--refit"]);
+    assert_eq!(manifest(&gptaq), manifest(&again));
+    let qc = &read_json(&gptaq.join("config.json"))["quantization_config"];
+    assert_eq!(qc["meta"]["method"], "gptaq");
+    assert_eq!(qc["meta"]["gptaq_alpha"], 1.0);
+    assert_eq!(qc["meta"]["refit"], true);
+    let report = read_json(&gptaq.join("quantize_report.json"));
+    assert_eq!(report["settings"]["method"], "gptaq");
+    assert!(report["stages"]["refit"].as_f64().unwrap() > 0.0);
+    // GPTAQ with alpha 0 is GPTQ's solve, with GPTQ's codes.
+    let zero = fx.quantized("zero", &["--method", "gptaq", "--gptaq-alpha", "0"]);
+    for m in [
+        "model.layers.2.mlp.down_proj",
+        "model.layers.3.self_attn.q_proj",
+    ] {
+        let w = format!("{m}.qweight");
+        assert_eq!(i32s(&zero, &w), i32s(&gptq, &w), "{w}");
+    }
+
+    let out = fx.path("resumed");
+    let args = ["--method", "gptaq", "--refit"];
+    let o = fx.quantize(&out, &[&args[..], &["--stop-after-layers", "2"]].concat());
+    assert_fails(&o, 1, "2 finished layer(s) are kept in");
+    assert_ok(&fx.quantize(&out, &[&args[..], &["--resume"]].concat()));
+    assert_eq!(manifest(&out), manifest(&gptaq));
+    assert_ok(&run(&[
+        "eval-ppl",
+        "--model",
+        fx.model.to_str().unwrap(),
+        "--compare",
+        out.to_str().unwrap(),
+        "--data",
+        fx.calib.to_str().unwrap(),
+        "--seqlen",
+        "32",
+        "--max-windows",
+        "2",
+    ]));
+
+    for (extra, needle) in [
+        (
+            &["--method", "gptaq", "--no-true-sequential"][..],
+            "--method gptaq needs true-sequential",
+        ),
+        (
+            &["--method", "gptq", "--gptaq-alpha", "0.5"],
+            "--gptaq-alpha applies",
+        ),
+        (
+            &["--method", "gptaq", "--gptaq-alpha", "2"],
+            "is not a GPTAQ share",
+        ),
+        (&["--method", "rtn", "--refit"], "--refit fits scales"),
+        (
+            &["--method", "gptaq", "--load-hessians", "/nonexistent"],
+            "cannot --load-hessians",
+        ),
+    ] {
+        let bad = fx.path("bad");
+        let o = fx.quantize(&bad, extra);
+        assert_fails(&o, 2, needle);
+        assert!(!bad.exists() && !partial_path(&bad).exists());
+    }
+}

@@ -35,7 +35,7 @@ fn valid_safetensors() -> Vec<u8> {
         Ok(())
     })
     .unwrap();
-    std::fs::read(dir.path().join(&files[0])).unwrap()
+    std::fs::read(dir.path().join(&files[0].name)).unwrap()
 }
 
 /// Applies `edits` (position, byte) and a truncation to `base`.

@@ -22,6 +22,9 @@
 #   quality the fixture's quality table: BF16, RTN, GPTQ static/dynamic/skip at 4 and 3 bits
 #   e2e128 / e2e256   synth --preset minicpm-sala-9b, then quantize with 128 (256) x 2048
 #           calibration tokens on the GPU: report with per-stage times and GPU memory
+#   writecmp / packcmp   side by side on the 9.5B: quantize (write stage) and pack-marlin with
+#           this build and with .gpu/soar-old.xz (a build of the previous commit), outputs
+#           compared byte for byte through their manifests
 #   serve   the 9.5B output for SGLang: inspect --engine for each engine, pack-marlin and its
 #           legacy-marlin check; config, model card and verdicts come back
 # Logs and reports go to $OUT (default /tmp/gpu-bench).
@@ -168,6 +171,30 @@ r['modules']=r['modules'][:8]
 json.dump(r,open('$OUT/e2e${n}_report.json','w'),indent=1)
 "
     rm -rf /tmp/q$n
+    ;;
+  writecmp)
+    log "writecmp"
+    B=/tmp/sala9b
+    [ -f $B/config.json ] || timed "$SG" synth --preset minicpm-sala-9b --out $B 2>&1 | tail -2 | tee -a "$OUT/summary.txt"
+    for bin in soar-gptq soar-old; do
+      rm -rf /tmp/wq-$bin /tmp/wq-$bin.partial
+      timed "$G/$bin" quantize --model $B --out /tmp/wq-$bin --device cuda > /tmp/wq-$bin.txt 2> /tmp/wq-$bin.err
+      echo "$bin quantize rc $?" | tee -a "$OUT/summary.txt"
+      grep -E "^stages|wall" /tmp/wq-$bin.err | tee -a "$OUT/summary.txt"
+    done
+    cmp /tmp/wq-soar-gptq/manifest.json /tmp/wq-soar-old/manifest.json && echo "quantize manifests identical" | tee -a "$OUT/summary.txt"
+    rm -rf /tmp/wq-soar-old
+    ;;
+  packcmp)
+    log "packcmp"
+    for bin in soar-old soar-gptq; do
+      rm -rf /tmp/wm-$bin
+      timed "$G/$bin" pack-marlin --in /tmp/wq-soar-gptq --out /tmp/wm-$bin > /tmp/wm-$bin.txt 2>&1
+      echo "$bin pack-marlin rc $?" | tee -a "$OUT/summary.txt"
+      grep -E "^time|wall" /tmp/wm-$bin.txt | tee -a "$OUT/summary.txt"
+    done
+    cmp /tmp/wm-soar-gptq/manifest.json /tmp/wm-soar-old/manifest.json && echo "pack-marlin manifests identical" | tee -a "$OUT/summary.txt"
+    rm -rf /tmp/wm-soar-old /tmp/wm-soar-gptq
     ;;
   serve)
     # The serving-ready output on the full model: quantize for SGLang (default settings), the

@@ -37,14 +37,26 @@ impl TensorSpec {
     }
 }
 
-struct CountingWriter<'a, W: Write> {
+/// A file written with the SHA-256 and size of the bytes as they were written (so the manifest
+/// need not read it again).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HashedFile {
+    pub name: String,
+    pub sha256: String,
+    pub size: u64,
+}
+
+/// Counts and hashes what passes through to `inner`.
+struct HashingWriter<'a, W: Write> {
     inner: &'a mut W,
+    hash: Sha256,
     written: u64,
 }
 
-impl<W: Write> Write for CountingWriter<'_, W> {
+impl<W: Write> Write for HashingWriter<'_, W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         let n = self.inner.write(buf)?;
+        self.hash.update(&buf[..n]);
         self.written += n as u64;
         Ok(n)
     }
@@ -53,16 +65,10 @@ impl<W: Write> Write for CountingWriter<'_, W> {
     }
 }
 
-/// Writes `specs` (in this order) into `model-0000i-of-0000n.safetensors` shards of at most
-/// `max_shard_bytes` (a single larger tensor gets a shard of its own) plus
-/// `model.safetensors.index.json`. `fill` must write exactly the bytes of the tensor it is given,
-/// little-endian. Returns the shard file names.
-pub fn write_sharded(
-    dir: &Path,
-    specs: &[TensorSpec],
-    max_shard_bytes: u64,
-    mut fill: impl FnMut(&TensorSpec, &mut dyn Write) -> Result<()>,
-) -> Result<Vec<String>> {
+/// `specs` cut into shards of at most `max_shard_bytes` (a larger tensor gets a shard of its
+/// own); one empty shard when there are no tensors (a layer whose every Linear is kept in 16
+/// bits still gets a valid file).
+fn shard_groups(specs: &[TensorSpec], max_shard_bytes: u64) -> Vec<Vec<&TensorSpec>> {
     let mut groups: Vec<Vec<&TensorSpec>> = vec![];
     let mut size = 0u64;
     for s in specs {
@@ -74,57 +80,154 @@ pub fn write_sharded(
         size += s.nbytes();
     }
     if groups.is_empty() {
-        // No tensors (a layer whose every Linear is kept in 16 bits): one empty, valid shard.
         groups.push(vec![]);
     }
-    let n = groups.len();
-    let mut names = vec![];
+    groups
+}
+
+fn shard_name(i: usize, n: usize) -> String {
+    format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
+}
+
+/// Writes one shard: the header, then each tensor's bytes as `next` hands them over in `group`
+/// order (`next(ti, w)` writes tensor `ti` into `w`), hashing as it goes; synced before it
+/// returns.
+fn write_shard(
+    path: &Path,
+    group: &[&TensorSpec],
+    mut next: impl FnMut(usize, &mut dyn Write) -> Result<()>,
+) -> Result<HashedFile> {
+    let f =
+        std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
+    let mut buf = BufWriter::with_capacity(8 << 20, f);
+    let mut w = HashingWriter {
+        inner: &mut buf,
+        hash: Sha256::new(),
+        written: 0,
+    };
+    w.write_all(&header_bytes(group))
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    crate::fault::write_point("a shard's header written")
+        .with_context(|| format!("cannot write {} (disk full?)", path.display()))?;
+    for (ti, spec) in group.iter().enumerate() {
+        let before = w.written;
+        next(ti, &mut w)
+            .with_context(|| format!("writing tensor {} to {}", spec.name, path.display()))?;
+        if w.written - before != spec.nbytes() {
+            bail!(
+                "internal error: tensor {} wrote {} bytes, expected {}",
+                spec.name,
+                w.written - before,
+                spec.nbytes()
+            );
+        }
+        if ti == group.len() / 2 {
+            crate::fault::write_point("half a shard written")
+                .with_context(|| format!("cannot write {} (disk full?)", path.display()))?;
+        }
+    }
+    let (hash, size) = (w.hash, w.written);
+    buf.into_inner()
+        .map_err(|e| e.into_error())
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("cannot finish writing {} (disk full?)", path.display()))?;
+    Ok(HashedFile {
+        name: path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        sha256: hex(&hash.finalize()),
+        size,
+    })
+}
+
+/// `model.safetensors.index.json` for shards `groups` (named by [`shard_name`]).
+fn write_index(dir: &Path, groups: &[Vec<&TensorSpec>]) -> Result<()> {
     let mut weight_map = BTreeMap::new();
     let mut total = 0u64;
     for (i, group) in groups.iter().enumerate() {
-        let file = format!("model-{:05}-of-{:05}.safetensors", i + 1, n);
-        let path = dir.join(&file);
-        let f = std::fs::File::create(&path)
-            .with_context(|| format!("cannot create {}", path.display()))?;
-        let mut w = BufWriter::with_capacity(8 << 20, f);
-        w.write_all(&header_bytes(group))
-            .with_context(|| format!("cannot write {}", path.display()))?;
-        crate::fault::write_point("a shard's header written")
-            .with_context(|| format!("cannot write {} (disk full?)", path.display()))?;
-        for (ti, spec) in group.iter().enumerate() {
-            let mut cw = CountingWriter {
-                inner: &mut w,
-                written: 0,
-            };
-            fill(spec, &mut cw)
-                .with_context(|| format!("writing tensor {} to {}", spec.name, path.display()))?;
-            if cw.written != spec.nbytes() {
-                bail!(
-                    "internal error: tensor {} wrote {} bytes, expected {}",
-                    spec.name,
-                    cw.written,
-                    spec.nbytes()
-                );
-            }
-            weight_map.insert(spec.name.clone(), file.clone());
+        for spec in group {
+            weight_map.insert(spec.name.clone(), shard_name(i, groups.len()));
             total += spec.nbytes();
-            if ti == group.len() / 2 {
-                crate::fault::write_point("half a shard written")
-                    .with_context(|| format!("cannot write {} (disk full?)", path.display()))?;
-            }
         }
-        w.into_inner()
-            .map_err(|e| e.into_error())
-            .and_then(|f| f.sync_all())
-            .with_context(|| format!("cannot finish writing {} (disk full?)", path.display()))?;
-        names.push(file);
     }
     let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
     write_file(
         &dir.join(INDEX_FILE),
         serde_json::to_string_pretty(&index)?.as_bytes(),
-    )?;
-    Ok(names)
+    )
+}
+
+/// Writes `specs` (in this order) into `model-0000i-of-0000n.safetensors` shards of at most
+/// `max_shard_bytes` (a single larger tensor gets a shard of its own) plus
+/// `model.safetensors.index.json`, one tensor after another. `fill` must write exactly the bytes
+/// of the tensor it is given, little-endian. Returns the shards, hashed as they were written.
+pub fn write_sharded(
+    dir: &Path,
+    specs: &[TensorSpec],
+    max_shard_bytes: u64,
+    mut fill: impl FnMut(&TensorSpec, &mut dyn Write) -> Result<()>,
+) -> Result<Vec<HashedFile>> {
+    let groups = shard_groups(specs, max_shard_bytes);
+    let mut files = vec![];
+    for (i, group) in groups.iter().enumerate() {
+        let path = dir.join(shard_name(i, groups.len()));
+        files.push(write_shard(&path, group, |ti, w| fill(group[ti], w))?);
+    }
+    write_index(dir, &groups)?;
+    Ok(files)
+}
+
+/// The most tensor bytes one shard of [`write_sharded_parallel`] holds in memory at once.
+const PARALLEL_WINDOW_BYTES: u64 = 512 << 20;
+
+/// [`write_sharded`] on all cores: shards are written at the same time, and within a shard the
+/// tensors of a window (up to [`PARALLEL_WINDOW_BYTES`], at least one tensor) are produced in
+/// parallel, then written in order. `produce` returns a tensor's bytes (borrowed from a mapped
+/// file, or computed). The files are byte-identical to [`write_sharded`]'s.
+pub fn write_sharded_parallel<'a>(
+    dir: &Path,
+    specs: &'a [TensorSpec],
+    max_shard_bytes: u64,
+    produce: impl Fn(&TensorSpec) -> Result<std::borrow::Cow<'a, [u8]>> + Sync,
+) -> Result<Vec<HashedFile>> {
+    let groups = shard_groups(specs, max_shard_bytes);
+    let n = groups.len();
+    let files = groups
+        .par_iter()
+        .enumerate()
+        .map(|(i, group)| -> Result<HashedFile> {
+            let path = dir.join(shard_name(i, n));
+            let mut ready: std::collections::VecDeque<std::borrow::Cow<'a, [u8]>> =
+                Default::default();
+            let mut next_window = 0usize;
+            write_shard(&path, group, |ti, w| {
+                if ti == next_window {
+                    let mut end = ti;
+                    let mut bytes = 0u64;
+                    while end < group.len()
+                        && (end == ti || bytes + group[end].nbytes() <= PARALLEL_WINDOW_BYTES)
+                    {
+                        bytes += group[end].nbytes();
+                        end += 1;
+                    }
+                    let produced: Vec<_> = group[ti..end]
+                        .par_iter()
+                        .map(|spec| {
+                            produce(spec).with_context(|| format!("producing tensor {}", spec.name))
+                        })
+                        .collect::<Result<_>>()?;
+                    ready.extend(produced);
+                    next_window = end;
+                }
+                let bytes = ready.pop_front().expect("produced in this window");
+                w.write_all(&bytes)?;
+                Ok(())
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    write_index(dir, &groups)?;
+    Ok(files)
 }
 
 /// A safetensors header for tensors laid out back to back in `group` order, padded with spaces
@@ -250,6 +353,8 @@ pub struct OutputDir {
     keep_partial: bool,
     /// Files copied byte for byte from the source, listed in the manifest.
     copied: Vec<String>,
+    /// Files written with their hashes (the shards), which the manifest does not re-read.
+    hashed: BTreeMap<String, HashedFile>,
     _interrupt: crate::interrupt::Registration,
     _lock: guard::OutputLock,
 }
@@ -344,6 +449,7 @@ impl OutputDir {
             done: false,
             keep_partial: false,
             copied: vec![],
+            hashed: BTreeMap::new(),
             _lock: lock,
         })
     }
@@ -365,6 +471,7 @@ impl OutputDir {
             done: false,
             keep_partial: false,
             copied: vec![],
+            hashed: BTreeMap::new(),
             _lock: lock,
         })
     }
@@ -386,6 +493,14 @@ impl OutputDir {
         Ok(())
     }
 
+    /// Records files of the folder hashed while they were written (see [`write_sharded`]): the
+    /// manifest takes their hashes instead of reading them again.
+    pub fn record_hashed(&mut self, files: &[HashedFile]) {
+        for f in files {
+            self.hashed.insert(f.name.clone(), f.clone());
+        }
+    }
+
     /// Keep `<out>.partial` when dropped without commit (a resumable run).
     pub fn keep_on_failure(&mut self, keep: bool) {
         self.keep_partial = keep;
@@ -396,7 +511,7 @@ impl OutputDir {
     /// output is put back.
     /// Subfolders (quantize's journal) are not part of the manifest, which lists files only.
     pub fn commit(mut self) -> Result<PathBuf> {
-        write_manifest(&self.partial, &self.copied)?;
+        write_manifest_with(&self.partial, &self.copied, &self.hashed)?;
         // Ctrl-C waits for the renames: the output is either the old one or the new one.
         let _renaming = crate::interrupt::critical();
         let replaced = replaced_path(&self.out);
@@ -494,6 +609,12 @@ pub fn hex(bytes: &[u8]) -> String {
 /// except the manifest itself, in name order (so the manifest is byte-identical for identical
 /// folders).
 pub fn compute_manifest(dir: &Path) -> Result<serde_json::Value> {
+    manifest_of(dir, &BTreeMap::new())
+}
+
+/// [`compute_manifest`], taking the hash of a file in `known` (written by this process, hashed
+/// while written) instead of reading it again, when its size on disk is the size recorded.
+fn manifest_of(dir: &Path, known: &BTreeMap<String, HashedFile>) -> Result<serde_json::Value> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .with_context(|| format!("cannot list {}", dir.display()))?
         .filter_map(|e| e.ok())
@@ -508,7 +629,11 @@ pub fn compute_manifest(dir: &Path) -> Result<serde_json::Value> {
         .map(|n| -> Result<_> {
             let p = dir.join(&n);
             let size = std::fs::metadata(&p)?.len();
-            let entry = serde_json::json!({"sha256": sha256_file(&p)?, "size": size});
+            let sha = match known.get(&n) {
+                Some(k) if k.size == size => k.sha256.clone(),
+                _ => sha256_file(&p)?,
+            };
+            let entry = serde_json::json!({"sha256": sha, "size": size});
             Ok((n, entry))
         })
         .collect::<Result<_>>()?;
@@ -524,7 +649,15 @@ pub fn compute_manifest(dir: &Path) -> Result<serde_json::Value> {
 /// Writes `manifest.json`; `copied` names the files that are byte copies of the source's
 /// (tokenizer, remote code...), listed as `copied_from_source`.
 pub fn write_manifest(dir: &Path, copied: &[String]) -> Result<()> {
-    let mut m = compute_manifest(dir)?;
+    write_manifest_with(dir, copied, &BTreeMap::new())
+}
+
+fn write_manifest_with(
+    dir: &Path,
+    copied: &[String],
+    known: &BTreeMap<String, HashedFile>,
+) -> Result<()> {
+    let mut m = manifest_of(dir, known)?;
     if !copied.is_empty() {
         m["copied_from_source"] = serde_json::json!(copied);
     }
@@ -584,6 +717,7 @@ mod tests {
             Ok(())
         })
         .unwrap();
+        let files: Vec<String> = files.into_iter().map(|f| f.name).collect();
         assert_eq!(
             files,
             vec![
@@ -604,6 +738,64 @@ mod tests {
             let bytes = std::fs::read(dir.path().join(f)).unwrap();
             safetensors::SafeTensors::deserialize(&bytes).unwrap();
         }
+    }
+
+    /// The parallel writer gives the serial writer's bytes, and the hashes it computed while
+    /// writing are the files' (the manifest trusts them instead of reading the shards again).
+    #[test]
+    fn parallel_shards_equal_serial_ones_and_their_hashes_are_the_files() {
+        let specs: Vec<TensorSpec> = (0..23)
+            .map(|i| TensorSpec::new(format!("t{i}"), Dtype::BF16, vec![1 + (i * 7) % 13, 9]))
+            .collect();
+        let data = |s: &TensorSpec| -> Vec<u8> {
+            let seed = s.name.len() * 31 + s.nbytes() as usize;
+            (0..s.nbytes() as usize)
+                .map(|i| ((i * 131 + seed) % 253) as u8)
+                .collect()
+        };
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let serial = write_sharded(a.path(), &specs, 700, |s, w| {
+            w.write_all(&data(s))?;
+            Ok(())
+        })
+        .unwrap();
+        let parallel =
+            write_sharded_parallel(b.path(), &specs, 700, |s| Ok(data(s).into())).unwrap();
+        assert!(serial.len() > 3, "several shards: {}", serial.len());
+        assert_eq!(serial, parallel);
+        for f in &parallel {
+            let (x, y) = (a.path().join(&f.name), b.path().join(&f.name));
+            assert_eq!(std::fs::read(&x).unwrap(), std::fs::read(&y).unwrap());
+            assert_eq!(f.sha256, sha256_file(&y).unwrap());
+            assert_eq!(f.size, std::fs::metadata(&y).unwrap().len());
+        }
+        assert_eq!(
+            std::fs::read(a.path().join(INDEX_FILE)).unwrap(),
+            std::fs::read(b.path().join(INDEX_FILE)).unwrap()
+        );
+        let known: BTreeMap<String, HashedFile> = parallel
+            .iter()
+            .map(|f| (f.name.clone(), f.clone()))
+            .collect();
+        assert_eq!(
+            manifest_of(b.path(), &known).unwrap(),
+            compute_manifest(b.path()).unwrap()
+        );
+        // A recorded size that no longer matches the file: the file is hashed again.
+        let mut stale = known.clone();
+        let first = stale.values_mut().next().unwrap();
+        first.size += 1;
+        first.sha256 = "0".repeat(64);
+        assert_eq!(
+            manifest_of(b.path(), &stale).unwrap(),
+            compute_manifest(b.path()).unwrap()
+        );
+        // A producer that hands over the wrong length is refused.
+        let e = write_sharded_parallel(b.path(), &specs, 700, |s| {
+            Ok(vec![0u8; s.nbytes() as usize + usize::from(s.name == "t5")].into())
+        })
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("tensor t5 wrote"), "{e:#}");
     }
 
     #[test]

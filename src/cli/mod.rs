@@ -151,6 +151,10 @@ pub struct QuantizeArgs {
     /// Search clipping scales by MSE (grid 100, shrink to 0.8).
     #[arg(long)]
     pub mse: bool,
+    /// After the solve, refit each row's group scales by least squares under the Hessian
+    /// (codes unchanged; docs/algorithm.md, Scale refit).
+    #[arg(long)]
+    pub refit: bool,
     /// Save every Hessian (safetensors) into this folder.
     #[arg(long)]
     pub save_hessians: Option<PathBuf>,
@@ -166,9 +170,14 @@ pub struct QuantizeArgs {
     /// Compare perplexity against the source model at the end (on the embedded evaluation text).
     #[arg(long)]
     pub verify: bool,
-    /// gptq, or rtn (round-to-nearest baseline through the same writer).
+    /// gptq; gptaq (GPTQ on the asymmetric objective: the full-precision model's inputs as the
+    /// target, a second forward stream; docs/algorithm.md, GPTAQ); or rtn (round-to-nearest
+    /// baseline through the same writer).
     #[arg(long, value_enum, default_value_t = MethodArg::Gptq)]
     pub method: MethodArg,
+    /// GPTAQ: the share of the asymmetric correction applied, in [0, 1] (0 is GPTQ).
+    #[arg(long, default_value_t = 1.0, value_parser = parse_alpha)]
+    pub gptaq_alpha: f64,
     /// Calibration windows per forward batch.
     #[arg(long, default_value_t = 8, value_parser = parse_positive)]
     pub batch: usize,
@@ -191,6 +200,7 @@ pub struct QuantizeArgs {
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MethodArg {
     Gptq,
+    Gptaq,
     Rtn,
 }
 
@@ -249,6 +259,24 @@ fn parse_damp(s: &str) -> std::result::Result<f64, String> {
             "{s} is not a damping fraction: use a number in (0, 1), e.g. 0.01"
         )),
     }
+}
+
+fn parse_alpha(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(a) if (0.0..=1.0).contains(&a) => Ok(a),
+        _ => Err(format!(
+            "{s} is not a GPTAQ share: use a number in [0, 1], e.g. 1 or 0.25"
+        )),
+    }
+}
+
+/// A usage error found after parsing (a combination of options): the message, exit code 2, as
+/// clap's own, before any work.
+fn usage_error(msg: impl std::fmt::Display) -> ! {
+    use clap::CommandFactory;
+    Cli::command()
+        .error(clap::error::ErrorKind::ArgumentConflict, msg)
+        .exit()
 }
 
 fn parse_shard_size(s: &str) -> std::result::Result<u64, String> {
@@ -354,6 +382,29 @@ fn read_eval_text(data: &str) -> Result<String> {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Quantize(a) => {
+            if a.method == MethodArg::Gptaq {
+                if a.no_true_sequential {
+                    usage_error(
+                        "--method gptaq needs true-sequential calibration (each group's \
+                         quantized-model input after the groups before it): drop \
+                         --no-true-sequential",
+                    );
+                }
+                if a.load_hessians.is_some() {
+                    usage_error(
+                        "--method gptaq cannot --load-hessians: saved files hold the Hessian \
+                         only, not GPTAQ's cross term; calibrate instead",
+                    );
+                }
+            } else if a.gptaq_alpha != 1.0 {
+                usage_error("--gptaq-alpha applies to --method gptaq only");
+            }
+            if a.refit && a.method == MethodArg::Rtn {
+                usage_error(
+                    "--refit fits scales under the Hessian, which --method rtn does not compute: \
+                     use it with --method gptq or gptaq",
+                );
+            }
             let device = a.device.open()?;
             let opts = crate::quantize::QuantizeOptions {
                 model: a.model.clone(),
@@ -377,14 +428,17 @@ fn run(cli: Cli) -> Result<()> {
                 device,
                 true_sequential: !a.no_true_sequential,
                 mse: a.mse,
+                refit: a.refit,
                 save_hessians: a.save_hessians.clone(),
                 load_hessians: a.load_hessians.clone(),
                 resume: a.resume,
                 force: a.force,
                 method: match a.method {
                     MethodArg::Gptq => crate::quantize::Method::Gptq,
+                    MethodArg::Gptaq => crate::quantize::Method::Gptaq,
                     MethodArg::Rtn => crate::quantize::Method::Rtn,
                 },
+                gptaq_alpha: a.gptaq_alpha,
                 batch: a.batch,
                 shard_bytes: a.shard_size,
                 stop_after_layers: a.stop_after_layers,

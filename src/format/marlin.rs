@@ -275,11 +275,10 @@ pub fn gptq_codes_to_marlin(
     );
     let codes = unpack_qweight(qweight, k, n, 4).context("unpacking the GPTQ qweight")?;
     let sort_indices = marlin_sort_indices(g_idx);
-    let sorted_codes: Vec<u8> = sort_indices
-        .iter()
-        .flat_map(|&row| &codes[row as usize * n..(row as usize + 1) * n])
-        .copied()
-        .collect();
+    let mut sorted_codes: Vec<u8> = Vec::with_capacity(k * n);
+    for &row in &sort_indices {
+        sorted_codes.extend_from_slice(&codes[row as usize * n..(row as usize + 1) * n]);
+    }
     let b = pack_marlin(&sorted_codes, k, n)?;
     Ok(MarlinWeight { b, sort_indices })
 }

@@ -127,6 +127,17 @@ fn check_codes(
 /// rows per 32 code rows (see [`Layout`]).
 pub fn pack_qweight(codes: &[u8], k: usize, n: usize, bits: u8) -> Result<Vec<i32>> {
     let lay = check_codes(codes, k, n, bits, |pos| (pos / n, pos % n))?;
+    Ok(match bits {
+        2 => pack_kn_one_word::<2>(codes, n),
+        4 => pack_kn_one_word::<4>(codes, n),
+        8 => pack_kn_one_word::<8>(codes, n),
+        _ => pack_kn_stream(&lay, codes, k, n),
+    })
+}
+
+/// [`pack_qweight`] through the general bit stream (fields may straddle words): the 3-bit path,
+/// and the reference the one-word paths are tested against.
+fn pack_kn_stream(lay: &Layout, codes: &[u8], k: usize, n: usize) -> Vec<i32> {
     let mut words = vec![0i32; lay.packed_len(k) * n];
     words
         .par_chunks_mut((lay.words * n).max(1))
@@ -147,7 +158,32 @@ pub fn pack_qweight(codes: &[u8], k: usize, n: usize, bits: u8) -> Result<Vec<i3
                 }
             }
         });
-    Ok(words)
+    words
+}
+
+/// [`pack_qweight`] for the widths whose block is one word: each word row ORs `32 / BITS` code
+/// rows in, shifted, row by row (a loop over N that vectorizes).
+fn pack_kn_one_word<const BITS: usize>(codes: &[u8], n: usize) -> Vec<i32> {
+    let vals = 32 / BITS;
+    let mut words = vec![0i32; codes.len() / vals];
+    if n == 0 {
+        return words;
+    }
+    words
+        .par_chunks_mut(n)
+        .zip(codes.par_chunks(vals * n))
+        .for_each(|(out, rows)| {
+            let mut acc = vec![0u32; n];
+            for (i, row) in rows.chunks_exact(n).enumerate() {
+                for (a, &c) in acc.iter_mut().zip(row) {
+                    *a |= u32::from(c) << (BITS * i);
+                }
+            }
+            for (o, a) in out.iter_mut().zip(acc) {
+                *o = a as i32;
+            }
+        });
+    words
 }
 
 /// [`pack_qweight`] from codes in the solver's layout, `[N, K]` row-major (`codes[n][k]` is the
@@ -231,6 +267,17 @@ pub fn unpack_qweight(words: &[i32], k: usize, n: usize, bits: u8) -> Result<Vec
         lay.packed_len(k) * n,
         words.len()
     );
+    Ok(match bits {
+        2 => unpack_kn_one_word::<2>(words, n),
+        4 => unpack_kn_one_word::<4>(words, n),
+        8 => unpack_kn_one_word::<8>(words, n),
+        _ => unpack_kn_stream(&lay, words, k, n),
+    })
+}
+
+/// [`unpack_qweight`] through the general bit stream: the 3-bit path, and the reference of the
+/// one-word paths.
+fn unpack_kn_stream(lay: &Layout, words: &[i32], k: usize, n: usize) -> Vec<u8> {
     let mut codes = vec![0u8; k * n];
     codes
         .par_chunks_mut((lay.vals * n).max(1))
@@ -246,7 +293,29 @@ pub fn unpack_qweight(words: &[i32], k: usize, n: usize, bits: u8) -> Result<Vec
                 }
             }
         });
-    Ok(codes)
+    codes
+}
+
+/// [`unpack_qweight`] for the widths whose block is one word: code row `i` of a block is every
+/// word of the row shifted right by `i · BITS`.
+fn unpack_kn_one_word<const BITS: usize>(words: &[i32], n: usize) -> Vec<u8> {
+    let vals = 32 / BITS;
+    let mask = (1u32 << BITS) - 1;
+    let mut codes = vec![0u8; words.len() * vals];
+    if n == 0 {
+        return codes;
+    }
+    codes
+        .par_chunks_mut(vals * n)
+        .zip(words.par_chunks(n))
+        .for_each(|(rows, word_row)| {
+            for (i, row) in rows.chunks_exact_mut(n).enumerate() {
+                for (c, &w) in row.iter_mut().zip(word_row) {
+                    *c = ((w as u32 >> (BITS * i)) & mask) as u8;
+                }
+            }
+        });
+    codes
 }
 
 /// Packs real zero points `[groups, N]` into `qzeros` `[groups, N·bits/32]` (packed along N).
@@ -647,6 +716,22 @@ mod tests {
         assert!(err.contains("must hold 4 words, got 3"), "{err}");
         let err = unpack_qweight(&[0; 4], 16, 2, 6).unwrap_err().to_string();
         assert!(err.contains("got 6"), "{err}");
+    }
+
+    /// The one-word paths (2, 4, 8 bits) give the general bit stream's words, and back.
+    #[test]
+    fn one_word_paths_equal_the_bit_stream() {
+        let mut rng = SplitMix64::new(0x0b17);
+        for bits in [2u8, 4, 8] {
+            let lay = layout(bits).unwrap();
+            for (k, n) in [(32, 1), (64, 96), (256, 130)] {
+                let codes: Vec<u8> = (0..k * n).map(|_| rng.below(1 << bits) as u8).collect();
+                let stream = pack_kn_stream(&lay, &codes, k, n);
+                assert_eq!(pack_qweight(&codes, k, n, bits).unwrap(), stream);
+                assert_eq!(unpack_kn_stream(&lay, &stream, k, n), codes);
+                assert_eq!(unpack_qweight(&stream, k, n, bits).unwrap(), codes);
+            }
+        }
     }
 
     #[test]

@@ -60,6 +60,7 @@ pub(super) fn factorize(h: &Tensor, opts: &SolveOptions) -> Result<Factorization
         seconds: t.elapsed().as_secs_f64(),
         act_order: opts.act_order,
         u: FactorData::Cuda(wrap(u, dev, &[k, k])),
+        correction: None,
     })
 }
 

@@ -21,10 +21,14 @@ const FORMAT_NAME: &str = "soar-gptq-hessian";
 const META_TOKENS: &str = "tokens";
 const META_MODULES: &str = "modules";
 
-/// Accumulates `Σ xᵀx` (f32, `[K, K]`, on one device) over batches of a Linear's inputs.
+/// Accumulates `Σ xᵀx` (f32, `[K, K]`, on one device) over batches of a Linear's inputs; for
+/// GPTAQ also the cross sum `Σ (x_fp − x)ᵀ x` of the full-precision model's inputs against them
+/// (docs/algorithm.md, GPTAQ).
 #[derive(Clone, Debug)]
 pub struct HessianAccumulator {
     xtx: Tensor,
+    /// `Σ_t (x_fp − x)[t, a] · x[t, b]` at `[a, b]`, once [`add_pair`](Self::add_pair) fed it.
+    cross: Option<Tensor>,
     tokens: u64,
     modules: Vec<String>,
 }
@@ -34,6 +38,7 @@ impl HessianAccumulator {
     pub fn new(k: usize, device: &Device) -> Result<Self> {
         Ok(Self {
             xtx: Tensor::zeros((k, k), DType::F32, device)?,
+            cross: None,
             tokens: 0,
             modules: Vec::new(),
         })
@@ -118,6 +123,63 @@ impl HessianAccumulator {
         Ok(())
     }
 
+    /// GPTAQ's pair of inputs for the same tokens: `x` as the partly quantized model feeds the
+    /// Linear (its Hessian, as [`add_batch`](Self::add_batch)) and `x_fp` as the full-precision
+    /// model does (`[tokens, K]` each, or `[.., tokens, K]`). Adds `Σ (x_fp − x)ᵀ x` to the cross
+    /// sum; the difference is taken in f32, before the product.
+    pub fn add_pair(&mut self, x: &Tensor, x_fp: &Tensor) -> Result<()> {
+        let k = self.k();
+        if x.dims() != x_fp.dims() {
+            bail!(
+                "GPTAQ input pair differs in shape: quantized-model input {:?}, full-precision \
+                 input {:?}",
+                x.dims(),
+                x_fp.dims()
+            );
+        }
+        self.add_batch(x, None)?;
+        let x = x.flatten_to(x.rank() - 2)?.to_device(self.xtx.device())?;
+        let x_fp = x_fp
+            .flatten_to(x_fp.rank() - 2)?
+            .to_device(self.xtx.device())?;
+        let rows = x.dim(0)?;
+        let mut cross = match self.cross.take() {
+            Some(c) => c,
+            None => Tensor::zeros((k, k), DType::F32, self.xtx.device())?,
+        };
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() && matches!(x.dtype(), DType::BF16 | DType::F16) {
+            // The difference in f32, then both operands in the input dtype on tensor cores with
+            // f32 accumulation, like XᵀX.
+            let d = (x_fp.to_dtype(DType::F32)? - x.to_dtype(DType::F32)?)?.to_dtype(x.dtype())?;
+            self.cross = Some(crate::kernels::cuda::atb_add(&cross, &d, &x)?);
+            return Ok(());
+        }
+        let mut start = 0;
+        while start < rows {
+            let len = CHUNK_ROWS.min(rows - start);
+            let a = x.narrow(0, start, len)?.to_dtype(DType::F32)?;
+            let d = (x_fp.narrow(0, start, len)?.to_dtype(DType::F32)? - &a)?;
+            cross = (&cross + d.t()?.matmul(&a)?)?;
+            start += len;
+        }
+        self.cross = Some(cross);
+        Ok(())
+    }
+
+    /// GPTAQ's `D = (2/n)·Σ (x_fp − x)ᵀ x`, scaled like [`hessian`](Self::hessian), or `None`
+    /// when no pair was fed.
+    pub fn cross_term(&self) -> Result<Option<Tensor>> {
+        match &self.cross {
+            None => Ok(None),
+            Some(_) if self.tokens == 0 => bail!(
+                "GPTAQ cross term of {} has no tokens",
+                self.describe_modules()
+            ),
+            Some(c) => Ok(Some(c.affine(2.0 / self.tokens as f64, 0.0)?)),
+        }
+    }
+
     /// Adds another partial accumulator of the same K; module names are united, keeping order.
     pub fn merge(&mut self, other: &HessianAccumulator) -> Result<()> {
         if other.k() != self.k() {
@@ -127,7 +189,13 @@ impl HessianAccumulator {
                 other.k()
             );
         }
+        if self.cross.is_some() != other.cross.is_some() {
+            bail!("cannot merge a GPTAQ accumulator (with a cross term) with a GPTQ one");
+        }
         self.xtx = (&self.xtx + other.xtx.to_device(self.xtx.device())?)?;
+        if let (Some(a), Some(b)) = (&self.cross, &other.cross) {
+            self.cross = Some((a + b.to_device(self.xtx.device())?)?);
+        }
         self.tokens += other.tokens;
         for name in &other.modules {
             if !self.modules.contains(name) {
@@ -224,6 +292,7 @@ impl HessianAccumulator {
             Tensor::from_raw_buffer(data, DType::F32, &[k, k], &Device::Cpu)?.to_device(device)?;
         Ok(Self {
             xtx,
+            cross: None,
             tokens,
             modules,
         })
@@ -408,5 +477,60 @@ mod tests {
             HessianAccumulator::load(&dir.path().join("missing"), &dev).unwrap_err()
         );
         assert!(err.contains("missing"), "{err}");
+    }
+
+    /// GPTAQ's cross term is `(2/n)·Σ (x_fp − x)ᵀ x` at `[a, b] = Σ_t (x_fp − x)[t, a]·x[t, b]`
+    /// (not its transpose), summed over batches like the Hessian; the Hessian of a pair is the
+    /// quantized-model input's alone; shapes must agree; merging adds both.
+    #[test]
+    fn gptaq_cross_term_matches_naive_sum() {
+        let (t, k) = (40, 7);
+        let dev = Device::Cpu;
+        let xq = values(t * k, 11);
+        let xf: Vec<f32> = values(t * k, 12)
+            .iter()
+            .zip(&xq)
+            .map(|(n, q)| q + 0.3 * n)
+            .collect();
+        let (a, b) = (
+            Tensor::from_vec(xq.clone(), (t, k), &dev).unwrap(),
+            Tensor::from_vec(xf.clone(), (t, k), &dev).unwrap(),
+        );
+        let mut acc = HessianAccumulator::new(k, &dev).unwrap();
+        assert!(acc.cross_term().unwrap().is_none());
+        acc.add_pair(&a.narrow(0, 0, 25).unwrap(), &b.narrow(0, 0, 25).unwrap())
+            .unwrap();
+        let mut rest = HessianAccumulator::new(k, &dev).unwrap();
+        rest.add_pair(&a.narrow(0, 25, 15).unwrap(), &b.narrow(0, 25, 15).unwrap())
+            .unwrap();
+        acc.merge(&rest).unwrap();
+        assert_eq!(acc.tokens(), t as u64);
+        let d = acc
+            .cross_term()
+            .unwrap()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        for i in 0..k {
+            for j in 0..k {
+                let want: f64 = (0..t)
+                    .map(|r| (xf[r * k + i] - xq[r * k + i]) as f64 * xq[r * k + j] as f64)
+                    .sum::<f64>()
+                    * 2.0
+                    / t as f64;
+                assert!((d[i * k + j] as f64 - want).abs() < 1e-5, "[{i}, {j}]");
+            }
+        }
+        let mut plain = HessianAccumulator::new(k, &dev).unwrap();
+        plain.add_batch(&a, None).unwrap();
+        assert!(max_abs_diff(&plain.hessian().unwrap(), &acc.hessian().unwrap()) < 1e-6);
+        assert!(acc.merge(&plain).is_err(), "GPTAQ and GPTQ sums do not mix");
+        assert!(acc
+            .add_pair(&a, &b.narrow(0, 0, 39).unwrap())
+            .unwrap_err()
+            .to_string()
+            .contains("differs in shape"));
     }
 }

@@ -14,11 +14,13 @@ mod cuda;
 mod hessian;
 mod plan;
 mod quantizer;
+mod refit;
 mod solver;
 
 pub use hessian::HessianAccumulator;
 pub use plan::{ParamsAt, SolvePlan};
 pub use quantizer::{dequantize_code, quantize_code, QuantParams};
+pub use refit::{refit_scales, RefitStats};
 pub use solver::{
     factorize, gptq_quantize, gptq_quantize_factored, rtn_quantize, valid_damp, ActOrder,
     Factorization, QuantizedLinear, SolveOptions, SolveTimings,

@@ -151,29 +151,44 @@ pub fn cusolver_ok(s: cusolver::cusolverStatus_t, what: &str) -> Result<()> {
 /// accumulation (cuBLAS GemmEx, compute type 32F), `XTX_CHUNK_ROWS` rows per call, each call
 /// adding into the f32 result with `beta = 1`. Returns a new `[K, K]` f32 tensor.
 pub fn xtx_add(xtx: &Tensor, x: &Tensor) -> Result<Tensor> {
-    let dev = cuda(x.device())?;
-    let (rows, k) = x.dims2()?;
+    atb_add(xtx, x, x)
+}
+
+/// `acc + aᵀb` for `a`, `b` `[rows, K]` of one dtype (BF16 or F16) on the GPU, as
+/// [`xtx_add`] (which is the case `a = b`): `acc[i][j] += Σ_t a[t][i]·b[t][j]`, f32 `[K, K]`.
+pub fn atb_add(acc: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let dev = cuda(a.device())?;
+    let (rows, k) = a.dims2()?;
     ensure!(
-        xtx.dims() == [k, k] && xtx.dtype() == DType::F32,
+        b.dims() == [rows, k] && b.dtype() == a.dtype(),
+        "internal: aᵀb operands differ: {:?} {:?} and {:?} {:?}",
+        a.dims(),
+        a.dtype(),
+        b.dims(),
+        b.dtype()
+    );
+    ensure!(
+        acc.dims() == [k, k] && acc.dtype() == DType::F32,
         "internal: XᵀX accumulator must be f32 [{k}, {k}]"
     );
-    let in_type = match x.dtype() {
+    let in_type = match a.dtype() {
         DType::BF16 => cublas::cudaDataType_t::CUDA_R_16BF,
         DType::F16 => cublas::cudaDataType_t::CUDA_R_16F,
         other => bail!("internal: tensor-core XᵀX takes BF16 or F16 inputs, got {other:?}"),
     };
-    let x = x.contiguous()?;
-    let out = xtx.contiguous()?.copy()?;
+    let (a, b) = (a.contiguous()?, b.contiguous()?);
+    let out = acc.contiguous()?.copy()?;
     let stream = dev.cuda_stream();
     let blas = dev.cublas_handle();
-    let (xp, op) = (tensor_ptr(&x)?, tensor_ptr(&out)?);
-    let elem = x.dtype().size_in_bytes() as u64;
+    let (ap, bp, op) = (tensor_ptr(&a)?, tensor_ptr(&b)?, tensor_ptr(&out)?);
+    let elem = a.dtype().size_in_bytes() as u64;
     let (alpha, beta) = (1.0f32, 1.0f32);
     let mut start = 0;
     while start < rows {
         let len = XTX_CHUNK_ROWS.min(rows - start);
-        let a = xp + (start * k) as u64 * elem;
-        // Row-major X [len, K] is column-major Xᶜ [K, len]; XᵀX = Xᶜ·Xᶜᵀ.
+        let offset = (start * k) as u64 * elem;
+        // Row-major A, B [len, K] are column-major Aᶜ, Bᶜ [K, len]. The column-major result
+        // Cᶜ = Bᶜ·Aᶜᵀ read row-major is its transpose, Aᶜ·Bᶜᵀ = aᵀb.
         let status = unsafe {
             cublas::cublasGemmEx(
                 *blas.handle(),
@@ -183,10 +198,10 @@ pub fn xtx_add(xtx: &Tensor, x: &Tensor) -> Result<Tensor> {
                 k as i32,
                 len as i32,
                 &alpha as *const f32 as *const _,
-                a as *const _,
+                (bp + offset) as *const _,
                 in_type,
                 k as i32,
-                a as *const _,
+                (ap + offset) as *const _,
                 in_type,
                 k as i32,
                 &beta as *const f32 as *const _,
@@ -197,7 +212,7 @@ pub fn xtx_add(xtx: &Tensor, x: &Tensor) -> Result<Tensor> {
                 cublas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         };
-        cublas_ok(status, "GemmEx (XᵀX)")?;
+        cublas_ok(status, "GemmEx (aᵀb)")?;
         start += len;
     }
     drop(stream);

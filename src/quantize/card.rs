@@ -30,6 +30,7 @@ pub fn model_card(r: &QuantizeReport, verify: Option<&CompareReport>) -> String 
         .unwrap_or("model");
     let method = match s.method {
         Method::Gptq => "GPTQ",
+        Method::Gptaq => "GPTAQ (GPTQ on the asymmetric objective)",
         Method::Rtn => "round-to-nearest",
     };
     let hub_id = r

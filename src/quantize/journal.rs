@@ -213,9 +213,8 @@ pub fn write_layer_file(
         w.write_all(&data[&spec.name])?;
         Ok(())
     })?;
-    let rel = format!("layer-{layer:05}/{}", files[0]);
-    let sha = sha256_file(&dir.join(&rel))?;
-    Ok((rel, sha))
+    let rel = format!("layer-{layer:05}/{}", files[0].name);
+    Ok((rel, files[0].sha256.clone()))
 }
 
 /// Opens a finished layer's file, checking it against the hash the journal recorded.

@@ -86,6 +86,9 @@ struct Pass<'r, 's> {
     model: AnyModel,
     /// Hidden states per batch (empty when no forward runs: RTN, or saved Hessians).
     states: Vec<Tensor>,
+    /// GPTAQ: the full-precision model's hidden states per batch, on the same windows (empty
+    /// otherwise).
+    fp_states: Vec<Tensor>,
     calibrate: bool,
     clock: StageClock,
     stages: &'s mut Stages,
@@ -99,6 +102,8 @@ struct Subset {
     linears: Vec<(&'static str, LinearGroup)>,
     acc: BTreeMap<LinearGroup, HessianAccumulator>,
     hessians: BTreeMap<LinearGroup, Tensor>,
+    /// GPTAQ's cross terms, per group.
+    cross: BTreeMap<LinearGroup, Tensor>,
     /// One factorization per Hessian, shared by the Linears that read its input.
     factors: BTreeMap<LinearGroup, Factorization>,
 }
@@ -119,7 +124,7 @@ impl<'r, 's> Pass<'r, 's> {
             .context("loading the embedding")?;
         // With saved Hessians no forward runs at all: each Linear is solved from its file; RTN
         // reads no activations either.
-        let calibrate = opts.load_hessians.is_none() && opts.method == Method::Gptq;
+        let calibrate = opts.load_hessians.is_none() && opts.method.uses_hessians();
         let mut states = vec![];
         if calibrate {
             let seqlen = run.windows[0].len();
@@ -131,10 +136,16 @@ impl<'r, 's> Pass<'r, 's> {
         }
         stages.embed += clock.lap()?;
         let pb = crate::progress::bar(run.cfg.num_hidden_layers() as u64, "quantize");
+        let fp_states = if opts.method == Method::Gptaq {
+            states.clone()
+        } else {
+            vec![]
+        };
         Ok(Self {
             run,
             model,
             states,
+            fp_states,
             calibrate,
             clock,
             stages,
@@ -149,6 +160,10 @@ impl<'r, 's> Pass<'r, 's> {
         self.pb
             .set_message(format!("layer {} (replaying journal)", entry.index));
         let mut layer = self.model.load_layer(self.run.ck, entry.index)?;
+        // GPTAQ's full-precision stream goes through the layer before its codes are decoded.
+        for h in self.fp_states.iter_mut() {
+            *h = layer.forward(h, &mut |_, _| Ok(()))?;
+        }
         let lf = journal::open_layer_file(self.run.jdir, entry)?;
         for (m, skipped) in &self.run.plan[entry.index] {
             if *skipped {
@@ -181,6 +196,12 @@ impl<'r, 's> Pass<'r, 's> {
     fn quantize_layer(&mut self, i: usize) -> Result<LayerResult> {
         let opts = self.run.opts;
         let mut layer = self.model.load_layer(self.run.ck, i)?;
+        // GPTAQ: the layer as the full-precision model has it, for the target inputs.
+        let fp_layer = if self.fp_states.is_empty() {
+            None
+        } else {
+            Some(self.model.load_layer(self.run.ck, i)?)
+        };
         self.stages.load += self.clock.lap()?;
         let subsets: Vec<Vec<LinearGroup>> = if opts.true_sequential {
             LinearGroup::ALL.iter().map(|g| vec![*g]).collect()
@@ -189,13 +210,18 @@ impl<'r, 's> Pass<'r, 's> {
         };
         let mut out = LayerResult::default();
         let mut cache = LayerCache::default();
+        let mut fp_cache = LayerCache::default();
         for groups in subsets {
             let mut subset = self.subset(&mut layer, i, groups)?;
             if opts.true_sequential && self.calibrate {
-                self.fill_cache(&layer, i, subset.groups[0], &mut cache)?;
+                self.fill_cache(&layer, i, subset.groups[0], &mut cache, Stream::Quantized)?;
+                if let Some(fpl) = &fp_layer {
+                    self.fill_cache(fpl, i, subset.groups[0], &mut fp_cache, Stream::Full)?;
+                }
             }
-            if opts.method == Method::Gptq {
-                self.hessians(&layer, i, &cache, &mut subset)?;
+            if opts.method.uses_hessians() {
+                let fp = fp_layer.as_ref().map(|l| (l, &fp_cache));
+                self.hessians(&layer, i, &cache, fp, &mut subset)?;
             }
             for (m, g) in subset.linears.clone() {
                 let full = format!("model.layers.{i}.{m}");
@@ -209,6 +235,16 @@ impl<'r, 's> Pass<'r, 's> {
             }
         }
         self.pb.set_message(format!("layer {i}: forward"));
+        if let Some(fpl) = &fp_layer {
+            match (fp_cache.h1.take(), fp_cache.act.take()) {
+                (Some(h1), Some(act)) => {
+                    for ((h, h1), act) in self.fp_states.iter_mut().zip(&h1).zip(&act) {
+                        *h = fpl.mlp_residual(h1, act)?;
+                    }
+                }
+                _ => bail!("internal: GPTAQ's full-precision layer cache is incomplete"),
+            }
+        }
         match (cache.h1.take(), cache.act.take()) {
             (Some(h1), Some(act)) => {
                 for ((h, h1), act) in self.states.iter_mut().zip(&h1).zip(&act) {
@@ -263,6 +299,7 @@ impl<'r, 's> Pass<'r, 's> {
             linears,
             acc,
             hessians: BTreeMap::new(),
+            cross: BTreeMap::new(),
             factors: BTreeMap::new(),
         })
     }
@@ -276,14 +313,19 @@ impl<'r, 's> Pass<'r, 's> {
         i: usize,
         g: LinearGroup,
         cache: &mut LayerCache,
+        stream: Stream,
     ) -> Result<()> {
         self.stages.forward += self.clock.lap()?;
+        let states = match stream {
+            Stream::Quantized => &self.states,
+            Stream::Full => &self.fp_states,
+        };
         match g {
             LinearGroup::Qkv => {}
             LinearGroup::O => {
                 self.pb.set_message(format!("layer {i}: attention"));
                 cache.mixer = Some(
-                    self.states
+                    states
                         .iter()
                         .map(|h| layer.mixer_output(h))
                         .collect::<Result<Vec<_>>>()?,
@@ -299,7 +341,7 @@ impl<'r, 's> Pass<'r, 's> {
             LinearGroup::GateUp => {
                 let mixer = cache.mixer.take().expect("computed for o_proj");
                 cache.h1 = Some(
-                    self.states
+                    states
                         .iter()
                         .zip(&mixer)
                         .map(|(h, m)| layer.attn_residual(h, m))
@@ -327,6 +369,7 @@ impl<'r, 's> Pass<'r, 's> {
         layer: &AnyLayer,
         i: usize,
         cache: &LayerCache,
+        fp: Option<(&AnyLayer, &LayerCache)>,
         subset: &mut Subset,
     ) -> Result<()> {
         let opts = self.run.opts;
@@ -342,10 +385,23 @@ impl<'r, 's> Pass<'r, 's> {
                 let a = subset.acc.get_mut(&g).expect("accumulator per group");
                 for bi in 0..self.states.len() {
                     let x = cache.input(layer, g, &self.states, bi)?;
+                    let x_fp = match fp {
+                        Some((fpl, fpc)) => Some(fpc.input(fpl, g, &self.fp_states, bi)?),
+                        None => None,
+                    };
                     self.stages.forward += self.clock.lap()?;
                     let (rows, k) = x.dims2()?;
-                    a.add_batch(&x, None)?;
-                    self.stages.hessian_flops += 2.0 * rows as f64 * (k * k) as f64;
+                    let products = match &x_fp {
+                        Some(x_fp) => {
+                            a.add_pair(&x, x_fp)?;
+                            2.0
+                        }
+                        None => {
+                            a.add_batch(&x, None)?;
+                            1.0
+                        }
+                    };
+                    self.stages.hessian_flops += products * 2.0 * rows as f64 * (k * k) as f64;
                     self.stages.hessians += self.clock.lap()?;
                 }
             }
@@ -363,6 +419,9 @@ impl<'r, 's> Pass<'r, 's> {
                 a.save(&dir.join(format!("layer-{i:05}.{}.safetensors", g.name())))?;
             }
             subset.hessians.insert(*g, a.hessian()?);
+            if let Some(d) = a.cross_term()? {
+                subset.cross.insert(*g, d);
+            }
         }
         self.stages.hessians += self.clock.lap()?;
         Ok(())
@@ -390,21 +449,38 @@ impl<'r, 's> Pass<'r, 's> {
             block_size: 128,
             module: full.clone(),
         };
-        if opts.method == Method::Gptq && !subset.factors.contains_key(&g) {
+        if opts.method.uses_hessians() && !subset.factors.contains_key(&g) {
             let fopts = SolveOptions {
                 module: subset.acc[&g].module_names().join(", "),
                 ..sopts.clone()
             };
-            subset
-                .factors
-                .insert(g, gptq::factorize(&subset.hessians[&g], &fopts)?);
+            let mut f = gptq::factorize(&subset.hessians[&g], &fopts)?;
+            if opts.method == Method::Gptaq {
+                let d = subset
+                    .cross
+                    .get(&g)
+                    .ok_or_else(|| anyhow!("internal: no GPTAQ cross term for {}", fopts.module))?;
+                f = f
+                    .with_gptaq(d, opts.gptaq_alpha)
+                    .with_context(|| format!("GPTAQ for {}", fopts.module))?;
+            }
+            subset.factors.insert(g, f);
             self.stages.factorization += self.clock.lap()?;
         }
-        let q = match opts.method {
-            Method::Gptq => gptq::gptq_quantize_factored(&w, &subset.factors[&g], &sopts)?,
+        let mut q = match opts.method {
+            Method::Gptq | Method::Gptaq => {
+                gptq::gptq_quantize_factored(&w, &subset.factors[&g], &sopts)?
+            }
             Method::Rtn => gptq::rtn_quantize(&w, &sopts)?,
         };
         self.stages.column_loop += self.clock.lap()?;
+        if opts.refit {
+            if let (Some(f), Some(h)) = (subset.factors.get(&g), subset.hessians.get(&g)) {
+                gptq::refit_scales(&mut q, &f.target(&w)?, h)
+                    .with_context(|| format!("refitting the scales of {full}"))?;
+                self.stages.refit += self.clock.lap()?;
+            }
+        }
         let p = pack(&q, opts.bits, self.run.layout).with_context(|| format!("packing {full}"))?;
         let (n, k) = (q.n, q.k);
         let deq = decode_stored(
@@ -519,6 +595,15 @@ fn relative_output_error(w: &Tensor, q: &Tensor, h: &Tensor) -> Result<f64> {
     } else {
         0.0
     })
+}
+
+/// Which hidden-state stream a layer cache is filled from.
+#[derive(Clone, Copy)]
+enum Stream {
+    /// The partly quantized model (what GPTQ calibrates on).
+    Quantized,
+    /// GPTAQ's full-precision model.
+    Full,
 }
 
 /// Per-batch results of the current layer kept across true-sequential subsets.

@@ -37,7 +37,17 @@ use std::time::Instant;
 #[serde(rename_all = "lowercase")]
 pub enum Method {
     Gptq,
+    /// GPTQ on GPTAQ's asymmetric objective: the full-precision model's inputs as the target
+    /// (docs/algorithm.md, GPTAQ).
+    Gptaq,
     Rtn,
+}
+
+impl Method {
+    /// Whether the method calibrates (Hessians from the model's inputs).
+    pub fn uses_hessians(self) -> bool {
+        self != Method::Rtn
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -59,12 +69,16 @@ pub struct QuantizeOptions {
     pub dtype: DType,
     pub true_sequential: bool,
     pub mse: bool,
+    /// Refit the group scales by least squares under the Hessian once the codes are fixed.
+    pub refit: bool,
     pub save_hessians: Option<PathBuf>,
     /// Solve with Hessians saved by an earlier `--save-hessians` run instead of calibrating.
     pub load_hessians: Option<PathBuf>,
     pub resume: bool,
     pub force: bool,
     pub method: Method,
+    /// GPTAQ's share of the asymmetric correction (`--gptaq-alpha`).
+    pub gptaq_alpha: f64,
     /// Calibration windows per forward batch.
     pub batch: usize,
     pub shard_bytes: u64,
@@ -93,12 +107,18 @@ impl QuantizeOptions {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Settings {
     pub method: Method,
+    /// GPTAQ's share of the correction (only with `--method gptaq`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gptaq_alpha: Option<f64>,
     pub bits: u8,
     pub group_size: GroupSize,
     pub act_order: ActOrder,
     pub sym: bool,
     pub damp: f64,
     pub mse: bool,
+    /// Least-squares scale refit after the solve (`--refit`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub refit: bool,
     pub true_sequential: bool,
     pub nsamples: usize,
     pub seqlen: usize,
@@ -319,12 +339,14 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     let layout = opts.layout();
     let settings = Settings {
         method: opts.method,
+        gptaq_alpha: (opts.method == Method::Gptaq).then_some(opts.gptaq_alpha),
         bits: opts.bits,
         group_size: opts.group_size,
         act_order: opts.act_order,
         sym: opts.sym,
         damp: opts.damp,
         mse: opts.mse,
+        refit: opts.refit,
         true_sequential: opts.true_sequential,
         nsamples: opts.nsamples,
         seqlen: opts.seqlen,
@@ -391,7 +413,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         opts.dtype,
         &opts.device,
         opts.true_sequential,
-        opts.method == Method::Gptq,
+        opts.method,
     );
     eprintln!("{}", preflight.line());
     // Refused now rather than dying midway: more memory than the device has free, or more disk
@@ -696,13 +718,14 @@ fn quantization_config(
     calib_usage: serde_json::Value,
     calib_sha256: &str,
 ) -> Result<serde_json::Value> {
-    let meta = serde_json::json!({
+    let mut meta = serde_json::json!({
         "quantizer": [format!("soar-gptq:{}", env!("CARGO_PKG_VERSION"))],
         "method": s.method,
         "act_order": s.act_order,
         "damp_percent": opts.damp,
         "damp_max_used": damp_max,
         "mse": opts.mse,
+        "refit": opts.refit,
         "true_sequential": opts.true_sequential,
         "static_groups": opts.act_order.static_groups(),
         "nsamples": opts.nsamples,
@@ -712,6 +735,9 @@ fn quantization_config(
         "calibration": calib_usage,
         "calibration_sha256": calib_sha256,
     });
+    if let Some(alpha) = s.gptaq_alpha {
+        meta["gptaq_alpha"] = serde_json::json!(alpha);
+    }
     // transformers ignores `dynamic`: it needs the quantized modules listed.
     let skipped = plan.iter().flatten().any(|(_, s)| *s);
     let modules_in_block_to_quantize =
@@ -879,9 +905,9 @@ fn assemble(
         .iter()
         .map(|l| Ok((l.index, journal::open_layer_file(jdir, l)?)))
         .collect::<Result<_>>()?;
-    writer::write_sharded(&dir, specs, opts.shard_bytes, |spec, w| {
-        if ck.contains(&spec.name) {
-            w.write_all(ck.bytes(&spec.name)?)?;
+    let shards = writer::write_sharded_parallel(&dir, specs, opts.shard_bytes, |spec| {
+        let bytes = if ck.contains(&spec.name) {
+            ck.bytes(&spec.name)?
         } else {
             let layer: usize = spec
                 .name
@@ -892,10 +918,11 @@ fn assemble(
             let file = layer_files
                 .get(&layer)
                 .ok_or_else(|| anyhow!("internal error: layer {layer} has no journal file"))?;
-            w.write_all(file.bytes(&spec.name)?)?;
-        }
-        Ok(())
+            file.bytes(&spec.name)?
+        };
+        Ok(bytes.into())
     })?;
+    out.record_hashed(&shards);
     writer::write_file(
         &dir.join("config.json"),
         serde_json::to_string_pretty(config)?.as_bytes(),

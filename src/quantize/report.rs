@@ -116,6 +116,7 @@ impl QuantizeReport {
             self.modules.len(),
             match self.settings.method {
                 super::Method::Gptq => "GPTQ",
+                super::Method::Gptaq => "GPTAQ",
                 super::Method::Rtn => "RTN",
             },
             self.settings.bits,
@@ -132,7 +133,7 @@ impl QuantizeReport {
         crate::outln!("calibration: {}", used.join(", "));
         if let Some(st) = &self.stages {
             crate::outln!(
-                "stages (s): load {:.2}, embed {:.2}, forward {:.2} (sparse mixers {:.2}, lightning mixers {:.2}), Hessians {:.2} ({}), factorization {:.2}, column loop {:.2}, pack {:.2}, report {:.2}, journal {:.2}, write {:.2}",
+                "stages (s): load {:.2}, embed {:.2}, forward {:.2} (sparse mixers {:.2}, lightning mixers {:.2}), Hessians {:.2} ({}), factorization {:.2}, column loop {:.2}, refit {:.2}, pack {:.2}, report {:.2}, journal {:.2}, write {:.2}",
                 st.load,
                 st.embed,
                 st.forward,
@@ -142,6 +143,7 @@ impl QuantizeReport {
                 rate(st.hessian_tflops()),
                 st.factorization,
                 st.column_loop,
+                st.refit,
                 st.pack,
                 st.report,
                 st.journal,

@@ -29,6 +29,8 @@ pub struct Stages {
     pub factorization: f64,
     /// The blocked column loop with its lazy updates, and fetching the codes.
     pub column_loop: f64,
+    /// The least-squares scale refit (`--refit`).
+    pub refit: f64,
     /// Packing the codes and decoding the stored weights back into the layer.
     pub pack: f64,
     /// The relative output error of each module (report only).
@@ -123,8 +125,12 @@ impl Preflight {
         dtype: DType,
         device: &Device,
         true_sequential: bool,
-        gptq: bool,
+        method: super::Method,
     ) -> Self {
+        // GPTAQ runs a second, full-precision stream: its forward, hidden states and layer
+        // cache, one more layer's weights, and a cross product per Hessian.
+        let gptq = method != super::Method::Rtn;
+        let streams: u64 = if method == super::Method::Gptaq { 2 } else { 1 };
         let e = dtype.size_in_bytes() as u64;
         let h = cfg.hidden_size as u64;
         let tokens = (windows * seqlen) as u64;
@@ -168,9 +174,11 @@ impl Preflight {
         // True-sequential: each stage input is computed once (see `run_layers`), so one pass
         // through every Linear; all groups at once: the capturing pass and the final pass.
         let passes = if true_sequential { 1.0 } else { 2.0 };
-        let forward_flops = 2.0 * linear_params * tokens as f64 * passes;
+        let forward_flops = 2.0 * linear_params * tokens as f64 * passes * streams as f64;
         let hessian_flops = if gptq {
-            ks.iter().map(|k| 2.0 * tokens as f64 * k * k).sum()
+            ks.iter()
+                .map(|k| 2.0 * tokens as f64 * k * k * streams as f64)
+                .sum()
         } else {
             0.0
         };
@@ -202,11 +210,11 @@ impl Preflight {
         let solve_bytes = if gptq { max_solve } else { 0 };
         let inter = cfg.intermediate_size as u64;
         let layer_cache_bytes = if true_sequential {
-            tokens * h * e + tokens * inter * e
+            (tokens * h * e + tokens * inter * e) * streams
         } else {
             0
         };
-        let base = hidden_states_bytes + embed_head_bytes + layer_params * e;
+        let base = hidden_states_bytes * streams + embed_head_bytes + layer_params * e * streams;
         let during_mixer = if true_sequential { tokens * h * e } else { 0 } + forward_bytes;
         let during_down = layer_cache_bytes + solve_bytes;
         Self {
@@ -284,7 +292,7 @@ mod tests {
                 DType::BF16,
                 &Device::Cpu,
                 true,
-                true,
+                crate::quantize::Method::Gptq,
             );
             eprintln!("{windows} windows: {}", p.line());
             let rel = (p.peak_bytes as f64 - measured).abs() / measured;

@@ -25,5 +25,6 @@ pub mod progress;
 pub mod quantize;
 pub mod rng;
 pub mod scheme;
+pub mod sensitivity;
 pub mod source;
 pub mod synth;

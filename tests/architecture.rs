@@ -26,8 +26,8 @@ const LAYERS: &[&[&str]] = &[
     &["engine"],
     // The commands.
     &["eval", "gguf", "inspect", "pack_marlin", "synth"],
-    // quantize runs eval for --verify.
-    &["quantize"],
+    // quantize runs eval for --verify; sensitivity scores variants with eval's protocol.
+    &["quantize", "sensitivity"],
     // The command line.
     &["cli"],
 ];

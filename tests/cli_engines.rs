@@ -9,12 +9,9 @@ mod common;
 use common::*;
 
 use serde_json::{json, Value};
-use soar_gptq::checkpoint::writer::{write_sharded, TensorSpec};
 use soar_gptq::checkpoint::Checkpoint;
 use std::path::{Path, PathBuf};
 use std::process::Output;
-
-const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/tiny-sala");
 
 fn read_json(p: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
@@ -57,51 +54,6 @@ fn inspect_engine(dir: &Path, engine: &str, extra: &[&str]) -> Output {
 }
 
 /// Copies a folder (files only).
-fn copy_dir(src: &Path, dst: &Path) {
-    std::fs::create_dir_all(dst).unwrap();
-    for e in std::fs::read_dir(src).unwrap() {
-        let p = e.unwrap().path();
-        if p.is_file() {
-            std::fs::copy(&p, dst.join(p.file_name().unwrap())).unwrap();
-        }
-    }
-}
-
-/// Rewrites the shards of `dir` into `dst` (other files copied): `f` maps each tensor to the
-/// tensors written in its place (name, dtype, shape, bytes).
-#[allow(clippy::type_complexity)]
-fn rewrite_tensors(
-    dir: &Path,
-    dst: &Path,
-    f: impl Fn(&str, &Checkpoint) -> Vec<(String, soar_gptq::checkpoint::Dtype, Vec<usize>, Vec<u8>)>,
-) {
-    std::fs::create_dir_all(dst).unwrap();
-    for e in std::fs::read_dir(dir).unwrap() {
-        let p = e.unwrap().path();
-        let name = p.file_name().unwrap().to_string_lossy().into_owned();
-        if p.is_file() && !name.ends_with(".safetensors") && name != "model.safetensors.index.json"
-        {
-            std::fs::copy(&p, dst.join(&name)).unwrap();
-        }
-    }
-    let ck = Checkpoint::open(dir).unwrap();
-    let mut out = vec![];
-    for n in ck.names() {
-        out.extend(f(n, &ck));
-    }
-    let specs: Vec<TensorSpec> = out
-        .iter()
-        .map(|(n, d, s, _)| TensorSpec::new(n.clone(), *d, s.clone()))
-        .collect();
-    write_sharded(dst, &specs, u64::MAX, |spec, w| {
-        let t = out.iter().find(|t| t.0 == spec.name).unwrap();
-        w.write_all(&t.3)?;
-        Ok(())
-    })
-    .unwrap();
-    let _ = std::fs::remove_file(dst.join("manifest.json"));
-}
-
 #[test]
 fn real_outputs_load_where_they_should_and_other_engines_are_refused_early() {
     let tmp = tempfile::tempdir().unwrap();

@@ -117,6 +117,87 @@ fn tensor_core_xtx_matches_the_f32_accumulator() {
     assert!(err / scale < 1e-5, "relative error {}", err / scale);
 }
 
+/// GPTAQ's cross term on tensor cores (aᵀb with a ≠ b: the operand order matters) against the
+/// CPU's f32 sum, and the GPTAQ solve of both (correction and codes) against the CPU's.
+#[test]
+fn gptaq_cross_term_and_solve_match_the_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = SplitMix64::new(11);
+    let (rows, k, n) = (20_000, 128, 96);
+    let xq = normal_tensor(&mut rng, rows, k, 1.0);
+    let drift = normal_tensor(&mut rng, k, k, 0.3 / (k as f32).sqrt());
+    let xf = (&xq + xq.matmul(&drift).unwrap()).unwrap();
+    let (xq, xf) = (
+        xq.to_dtype(DType::BF16).unwrap(),
+        xf.to_dtype(DType::BF16).unwrap(),
+    );
+    let mut cpu = HessianAccumulator::new(k, &Device::Cpu).unwrap();
+    let mut dev = HessianAccumulator::new(k, &gpu).unwrap();
+    cpu.add_pair(&xq, &xf).unwrap();
+    dev.add_pair(&xq.to_device(&gpu).unwrap(), &xf.to_device(&gpu).unwrap())
+        .unwrap();
+    let dc = cpu.cross_term().unwrap().unwrap();
+    let dg = dev
+        .cross_term()
+        .unwrap()
+        .unwrap()
+        .to_device(&Device::Cpu)
+        .unwrap();
+    let rel = |a: &Tensor, b: &Tensor| -> f32 {
+        let e = (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        e / a
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    };
+    let r = rel(&dc, &dg);
+    eprintln!("GPTAQ cross term GPU vs CPU: max |Δ| / max |D| = {r:.3e}");
+    // The difference is rounded to BF16 on the GPU before its product.
+    assert!(r < 1e-2, "relative error {r}");
+    // Transposed would be far off: D is not symmetric.
+    assert!(rel(&dc, &dg.t().unwrap()) > 10.0 * r);
+
+    let (h, d) = (cpu.hessian().unwrap(), dc);
+    let w = normal_tensor(&mut rng, n, k, 1.0);
+    let o = opts(4, 32, true, ActOrder::Static);
+    let fc = soar_gptq::gptq::factorize(&h, &o)
+        .unwrap()
+        .with_gptaq(&d, 1.0)
+        .unwrap();
+    let fg = soar_gptq::gptq::factorize(&h.to_device(&gpu).unwrap(), &o)
+        .unwrap()
+        .with_gptaq(&d.to_device(&gpu).unwrap(), 1.0)
+        .unwrap();
+    let (tc, tg) = (
+        fc.target(&w).unwrap(),
+        fg.target(&w.to_device(&gpu).unwrap()).unwrap(),
+    );
+    let r = rel(&tc, &tg.to_device(&Device::Cpu).unwrap());
+    eprintln!("GPTAQ target GPU vs CPU: max |Δ| / max |W*| = {r:.3e}");
+    assert!(r < 1e-4, "relative error {r}");
+    let qc = soar_gptq::gptq::gptq_quantize_factored(&w, &fc, &o).unwrap();
+    let qg = soar_gptq::gptq::gptq_quantize_factored(&w.to_device(&gpu).unwrap(), &fg, &o).unwrap();
+    let (max, frac) = code_diff(&qc, &qg);
+    eprintln!(
+        "GPTAQ codes GPU vs CPU: {:.4}% differ, by at most {max}",
+        100.0 * frac
+    );
+    assert!(
+        max <= 1 && frac < 0.01,
+        "{frac} of codes differ, by up to {max}"
+    );
+}
+
 #[test]
 fn gpu_solve_with_identity_hessian_is_rtn_exactly() {
     let Some(gpu) = gpu() else { return };

@@ -25,6 +25,10 @@
 #   writecmp / packcmp   side by side on the 9.5B: quantize (write stage) and pack-marlin with
 #           this build and with .gpu/soar-old.xz (a build of the previous commit), outputs
 #           compared byte for byte through their manifests
+#   gptaq   the shipped model with --method gptaq --mse --refit on the GPU and the CPU: codes
+#           compared, both scored against the source on the GPU
+#   e2eq    the 9.5B at 128 x 2048 with the quality options (--mse --refit, then --method gptaq
+#           --mse --refit): stage tables against the default run of the same call (e2e128)
 #   serve   the 9.5B output for SGLang: inspect --engine for each engine, pack-marlin and its
 #           legacy-marlin check; config, model card and verdicts come back
 # Logs and reports go to $OUT (default /tmp/gpu-bench).
@@ -48,6 +52,18 @@ timed() {
   local rc=$?
   awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "wall %.1f s\n", b - a }' >&2
   return $rc
+}
+# Whether two outputs hold the same bytes in their shards and config (by their manifests; the
+# reports and cards carry timings and build ids).
+same_files() {
+  python3 - "$1" "$2" "$3" <<'PY' | tee -a "$OUT/summary.txt"
+import json, sys
+a, b, what = sys.argv[1:4]
+ma, mb = (json.load(open(d + "/manifest.json"))["files"] for d in (a, b))
+keys = [k for k in ma if k.endswith(".safetensors") or k in ("config.json", "model.safetensors.index.json")]
+diff = [k for k in keys if ma.get(k) != mb.get(k)]
+print(f"{what}: {len(keys) - len(diff)} of {len(keys)} shard/config/index files identical" + (f"; differ: {diff}" if diff else ""))
+PY
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader >> "$OUT/summary.txt" 2>&1
 
@@ -180,9 +196,10 @@ json.dump(r,open('$OUT/e2e${n}_report.json','w'),indent=1)
       rm -rf /tmp/wq-$bin /tmp/wq-$bin.partial
       timed "$G/$bin" quantize --model $B --out /tmp/wq-$bin --device cuda > /tmp/wq-$bin.txt 2> /tmp/wq-$bin.err
       echo "$bin quantize rc $?" | tee -a "$OUT/summary.txt"
-      grep -E "^stages|wall" /tmp/wq-$bin.err | tee -a "$OUT/summary.txt"
+      grep -E "wall" /tmp/wq-$bin.err | tee -a "$OUT/summary.txt"
+      grep -E "^stages" /tmp/wq-$bin.txt | tee -a "$OUT/summary.txt"
     done
-    cmp /tmp/wq-soar-gptq/manifest.json /tmp/wq-soar-old/manifest.json && echo "quantize manifests identical" | tee -a "$OUT/summary.txt"
+    same_files /tmp/wq-soar-gptq /tmp/wq-soar-old "quantize"
     rm -rf /tmp/wq-soar-old
     ;;
   packcmp)
@@ -193,8 +210,36 @@ json.dump(r,open('$OUT/e2e${n}_report.json','w'),indent=1)
       echo "$bin pack-marlin rc $?" | tee -a "$OUT/summary.txt"
       grep -E "^time|wall" /tmp/wm-$bin.txt | tee -a "$OUT/summary.txt"
     done
-    cmp /tmp/wm-soar-gptq/manifest.json /tmp/wm-soar-old/manifest.json && echo "pack-marlin manifests identical" | tee -a "$OUT/summary.txt"
+    same_files /tmp/wm-soar-gptq /tmp/wm-soar-old "pack-marlin"
     rm -rf /tmp/wm-soar-old /tmp/wm-soar-gptq
+    ;;
+  gptaq)
+    log "gptaq"
+    M=examples/tiny-sala
+    S=/tmp/gq
+    rm -rf $S; mkdir -p $S
+    CAL="--nsamples 32 --seqlen 512 --method gptaq --mse --refit --engine none"
+    timed "$SG" quantize --model $M --out $S/gpu $CAL --device cuda > $S/gpu.txt 2> $S/gpu.err
+    echo "gpu rc $?" | tee -a "$OUT/summary.txt"
+    "$SG" quantize --model $M --out $S/cpu $CAL --device cpu > $S/cpu.txt 2>&1
+    echo "cpu rc $?" | tee -a "$OUT/summary.txt"
+    grep -E "stages" $S/gpu.txt | tee -a "$OUT/summary.txt"
+    python3 examples/bench/compare_codes.py $S/gpu $S/cpu | tee -a "$OUT/summary.txt"
+    "$SG" eval-ppl --model $M --compare $S/gpu --compare $S/cpu \
+      --data default --seqlen 256 --max-windows 64 --device cuda 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+    ;;
+  e2eq)
+    log "e2eq"
+    B=/tmp/sala9b
+    [ -f $B/config.json ] || timed "$SG" synth --preset minicpm-sala-9b --out $B 2>&1 | tail -2 | tee -a "$OUT/summary.txt"
+    for v in "--mse --refit" "--method gptaq --mse --refit"; do
+      rm -rf /tmp/qq /tmp/qq.partial
+      timed "$SG" quantize --model $B --out /tmp/qq $v --device cuda > /tmp/qq.txt 2> /tmp/qq.err
+      echo "$v rc $?" | tee -a "$OUT/summary.txt"
+      grep -E "preflight|wall" /tmp/qq.err | tee -a "$OUT/summary.txt"
+      grep -E "^stages|GPU memory" /tmp/qq.txt | tee -a "$OUT/summary.txt"
+    done
+    rm -rf /tmp/qq
     ;;
   serve)
     # The serving-ready output on the full model: quantize for SGLang (default settings), the

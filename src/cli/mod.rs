@@ -37,6 +37,90 @@ pub enum Command {
     Synth(SynthArgs),
     /// Converts a Llama-architecture GGUF file into a Hugging Face-layout BF16 folder.
     ImportGguf(ImportGgufArgs),
+    /// Which quantized units hurt: the mean KL and perplexity change when each (per layer the
+    /// attention or the MLP, or per module) alone goes back to 16 bits, ranked with its size;
+    /// and a plan for a size budget or KL target that `quantize --plan` takes.
+    Sensitivity(SensitivityArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct SensitivityArgs {
+    /// The 16-bit source model: folder or hub repo id (org/name).
+    #[arg(long)]
+    pub model: String,
+    /// Hub revision (branch, tag or commit) when --model is a repo id.
+    #[arg(long)]
+    pub revision: Option<String>,
+    /// The quantized checkpoint (GPTQ or Marlin folder) made from --model.
+    #[arg(long)]
+    pub quantized: PathBuf,
+    /// Text file to score, or `default` for the evaluation text compiled into the binary.
+    #[arg(long, default_value = "default")]
+    pub data: String,
+    /// Window length in tokens.
+    #[arg(long, default_value_t = 512, value_parser = parse_positive)]
+    pub seqlen: usize,
+    /// Score at most this many windows.
+    #[arg(long, default_value_t = 64, value_parser = parse_positive)]
+    pub max_windows: usize,
+    /// Units: block (per layer the attention Linears and the MLP Linears) or module (per
+    /// module the engines load: qkv_proj, o_proj, the attention gate, gate_up_proj, down_proj).
+    #[arg(long, value_enum, default_value_t = GranularityArg::Block)]
+    pub granularity: GranularityArg,
+    /// Also score each unit quantized alone, the rest in 16 bits.
+    #[arg(long)]
+    pub alone: bool,
+    /// What the plan makes of a chosen unit: 8 (bits, what gptq_marlin serves) or 16 (kept
+    /// unquantized).
+    #[arg(long, default_value_t = 8, value_parser = parse_upgrade)]
+    pub upgrade: u8,
+    /// Plan: at most this many extra gigabytes (10⁹ bytes).
+    #[arg(long, value_parser = parse_nonneg, conflicts_with = "budget_pct")]
+    pub budget_gb: Option<f64>,
+    /// Plan: at most this many extra percent of the quantized checkpoint's size.
+    #[arg(long, value_parser = parse_nonneg)]
+    pub budget_pct: Option<f64>,
+    /// Plan: stop once the predicted mean KL is at most this.
+    #[arg(long, value_parser = parse_nonneg)]
+    pub kl_target: Option<f64>,
+    /// Write the plan (GPTQModel `dynamic` rules) to this JSON file for `quantize --plan`.
+    #[arg(long)]
+    pub plan_out: Option<PathBuf>,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    pub device: DeviceSpec,
+    /// Compute dtype (default: f32 on the CPU, bf16 on a GPU).
+    #[arg(long, value_enum)]
+    pub dtype: Option<ComputeDtype>,
+    /// Windows per forward batch.
+    #[arg(long, default_value_t = 4, value_parser = parse_positive)]
+    pub batch: usize,
+    /// Print one JSON document on stdout instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GranularityArg {
+    Block,
+    Module,
+}
+
+fn parse_upgrade(s: &str) -> std::result::Result<u8, String> {
+    match s {
+        "8" => Ok(8),
+        "16" => Ok(16),
+        _ => Err(format!(
+            "{s} is not an upgrade: use 8 (bits) or 16 (unquantized)"
+        )),
+    }
+}
+
+fn parse_nonneg(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err(format!("{s} is not a non-negative number")),
+    }
 }
 
 #[derive(clap::Args, Debug)]
@@ -139,6 +223,11 @@ pub struct QuantizeArgs {
     /// Keep modules whose full name matches this regex in BF16 (repeatable).
     #[arg(long)]
     pub skip: Vec<String>,
+    /// Per-module bits and group sizes: a JSON file with a GPTQModel `dynamic` object
+    /// (`"+:REGEX": {"bits": 8}`, `"-:REGEX": {}` for 16 bits), e.g. from `sensitivity
+    /// --plan-out` (docs/usage.md, Mixed precision).
+    #[arg(long)]
+    pub plan: Option<PathBuf>,
     /// auto, cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
     pub device: DeviceSpec,
@@ -424,6 +513,7 @@ fn run(cli: Cli) -> Result<()> {
                 seqlen: a.seqlen,
                 seed: a.seed,
                 skip: a.skip.clone(),
+                plan: a.plan.clone(),
                 dtype: compute_dtype(a.dtype, &device),
                 device,
                 true_sequential: !a.no_true_sequential,
@@ -548,6 +638,55 @@ fn run(cli: Cli) -> Result<()> {
                 crate::outln!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 report.print_text();
+            }
+        }
+        Command::Sensitivity(a) => {
+            if a.plan_out.is_some()
+                && a.budget_gb.is_none()
+                && a.budget_pct.is_none()
+                && a.kl_target.is_none()
+            {
+                usage_error(
+                    "--plan-out needs a plan to write: give --budget-gb, --budget-pct or \
+                     --kl-target",
+                );
+            }
+            let text = read_eval_text(&a.data)?;
+            let src = crate::source::resolve(&a.model, a.revision.as_deref())?;
+            let device = a.device.open()?;
+            let opts = crate::sensitivity::SensitivityOptions {
+                eval: PplOptions {
+                    seqlen: a.seqlen,
+                    max_windows: Some(a.max_windows),
+                    bos: false,
+                    dtype: compute_dtype(a.dtype, &device),
+                    batch: a.batch,
+                    device,
+                },
+                granularity: match a.granularity {
+                    GranularityArg::Block => crate::sensitivity::Granularity::Block,
+                    GranularityArg::Module => crate::sensitivity::Granularity::Module,
+                },
+                alone: a.alone,
+                upgrade_bits: a.upgrade,
+                budget: match (a.budget_gb, a.budget_pct) {
+                    (Some(gb), _) => Some(crate::sensitivity::Budget::Bytes((gb * 1e9) as u64)),
+                    (None, Some(p)) => Some(crate::sensitivity::Budget::Percent(p)),
+                    (None, None) => None,
+                },
+                kl_target: a.kl_target,
+            };
+            let r = crate::sensitivity::sensitivity(&src.dir, &a.quantized, &text, &opts)?;
+            if let Some(p) = &a.plan_out {
+                crate::sensitivity::write_plan(p, &r, &[src.dir.clone(), a.quantized.clone()])?;
+            }
+            if a.json {
+                crate::outln!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                r.print_text();
+                if let Some(p) = &a.plan_out {
+                    crate::outln!("wrote {}", p.display());
+                }
             }
         }
         Command::EvalPpl(a) => {

@@ -211,6 +211,21 @@ pub fn batch_nll(logp: &Tensor, windows: &[Vec<u32>]) -> Result<(f64, usize)> {
     Ok((-sum, b * (t - 1)))
 }
 
+/// Over the scored positions of a batch (all but each window's last): the sum of
+/// KL(P_reference ‖ P_model) in nats, and the count of positions where both rank the same token
+/// first. `lp`, `rlp`: log-probabilities `[B, T, V]` of the model and the reference.
+pub fn kl_and_agreement(lp: &Tensor, rlp: &Tensor) -> Result<(f64, usize)> {
+    let t = lp.dim(1)? - 1;
+    let (lp, rlp) = (lp.narrow(1, 0, t)?, rlp.narrow(1, 0, t)?);
+    let kl = (rlp.exp()? * (&rlp - &lp)?)?
+        .sum_all()?
+        .to_dtype(DType::F64)?
+        .to_scalar::<f64>()?;
+    let same = lp.argmax(D::Minus1)?.eq(&rlp.argmax(D::Minus1)?)?;
+    let agree = same.to_dtype(DType::U32)?.sum_all()?.to_scalar::<u32>()? as usize;
+    Ok((kl, agree))
+}
+
 /// One compared model's scores against the reference, on the same windows.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Comparison {
@@ -298,14 +313,9 @@ pub fn compare(
         for ((h, rh), ws) in states.iter().zip(&ref_states).zip(&batches) {
             let (lp, rlp) = (log_probs(&omodel, h)?, log_probs(&model, rh)?);
             nll += batch_nll(&lp, ws)?.0;
-            let t = lp.dim(1)? - 1;
-            let (lp, rlp) = (lp.narrow(1, 0, t)?, rlp.narrow(1, 0, t)?);
-            kl += (rlp.exp()? * (&rlp - &lp)?)?
-                .sum_all()?
-                .to_dtype(DType::F64)?
-                .to_scalar::<f64>()?;
-            let same = lp.argmax(D::Minus1)?.eq(&rlp.argmax(D::Minus1)?)?;
-            agree += same.to_dtype(DType::U32)?.sum_all()?.to_scalar::<u32>()? as usize;
+            let (k, a) = kl_and_agreement(&lp, &rlp)?;
+            kl += k;
+            agree += a;
         }
         let m = nll / count as f64;
         finite_nll(m, other)?;

@@ -5,6 +5,7 @@
 //! thread while the next layer computes.
 
 use super::journal::{self, Journal, JournalLayer, Packed};
+use super::plan::{ModulePlan, Plan};
 use super::stages::{StageClock, Stages};
 use super::{Method, ModuleRow, QuantizeOptions};
 use crate::checkpoint::Checkpoint;
@@ -22,13 +23,14 @@ use std::path::Path;
 use std::time::Instant;
 
 /// What every layer of one run reads: the options, the model and its checkpoint, the
-/// calibration windows, the per-layer plan (`(module, skipped)`) and the journal folder.
+/// calibration windows, the plan (each Linear's scheme, or kept in 16 bits) and the journal
+/// folder.
 pub(super) struct LayerRun<'a> {
     pub opts: &'a QuantizeOptions,
     pub cfg: &'a AnyConfig,
     pub ck: &'a Checkpoint,
     pub windows: &'a [Vec<u32>],
-    pub plan: &'a [Vec<(String, bool)>],
+    pub plan: &'a Plan,
     pub layout: QuantFormat,
     pub quant: QuantParams,
     pub jdir: &'a Path,
@@ -165,10 +167,10 @@ impl<'r, 's> Pass<'r, 's> {
             *h = layer.forward(h, &mut |_, _| Ok(()))?;
         }
         let lf = journal::open_layer_file(self.run.jdir, entry)?;
-        for (m, skipped) in &self.run.plan[entry.index] {
-            if *skipped {
+        for p in &self.run.plan.layers[entry.index] {
+            let (m, Some(scheme)) = (&p.name, p.plan.scheme()) else {
                 continue;
-            }
+            };
             let prefix = format!("model.layers.{}.{m}", entry.index);
             let p = journal::read_packed(&lf, &prefix)?;
             let lin = layer.linear_mut(m)?;
@@ -177,7 +179,7 @@ impl<'r, 's> Pass<'r, 's> {
                 &p,
                 n,
                 k,
-                opts.bits,
+                scheme.bits,
                 self.run.layout,
                 opts.dtype,
                 &opts.device,
@@ -225,13 +227,17 @@ impl<'r, 's> Pass<'r, 's> {
             }
             for (m, g) in subset.linears.clone() {
                 let full = format!("model.layers.{i}.{m}");
-                let skipped = self.run.plan[i].iter().any(|(n, s)| n == m && *s);
-                if skipped {
+                let ModulePlan::Quantize(scheme) = self.run.plan.get(i, m) else {
                     out.rows.push(ModuleRow::skipped(&full, g));
                     continue;
-                }
+                };
                 self.pb.set_message(format!("layer {i}: solving {m}"));
-                self.solve_linear(&mut layer, full, m, g, &mut subset, &mut out)?;
+                let quant = gptq::QuantParams {
+                    bits: scheme.bits,
+                    group_size: scheme.group_size,
+                    ..self.run.quant
+                };
+                self.solve_linear(&mut layer, (i, m, g), quant, &mut subset, &mut out)?;
             }
         }
         self.pb.set_message(format!("layer {i}: forward"));
@@ -432,18 +438,18 @@ impl<'r, 's> Pass<'r, 's> {
     fn solve_linear(
         &mut self,
         layer: &mut AnyLayer,
-        full: String,
-        m: &str,
-        g: LinearGroup,
+        (i, m, g): (usize, &str, LinearGroup),
+        quant: QuantParams,
         subset: &mut Subset,
         out: &mut LayerResult,
     ) -> Result<()> {
         let opts = self.run.opts;
+        let full = format!("model.layers.{i}.{m}");
         let t = Instant::now();
         let lin = layer.linear_mut(m)?;
         let w = lin.weight.clone();
         let sopts = SolveOptions {
-            quant: self.run.quant,
+            quant,
             act_order: opts.act_order,
             damp: opts.damp,
             block_size: 128,
@@ -481,13 +487,13 @@ impl<'r, 's> Pass<'r, 's> {
                 self.stages.refit += self.clock.lap()?;
             }
         }
-        let p = pack(&q, opts.bits, self.run.layout).with_context(|| format!("packing {full}"))?;
+        let p = pack(&q, quant.bits, self.run.layout).with_context(|| format!("packing {full}"))?;
         let (n, k) = (q.n, q.k);
         let deq = decode_stored(
             &p,
             n,
             k,
-            opts.bits,
+            quant.bits,
             self.run.layout,
             opts.dtype,
             &opts.device,
@@ -505,6 +511,8 @@ impl<'r, 's> Pass<'r, 's> {
             n,
             k,
             quantized: true,
+            bits: quant.bits,
+            group_size: quant.group_size.to_i64(),
             loss: q.loss,
             rel_output_error: rel,
             damp: q.damp_used,

@@ -12,6 +12,7 @@
 mod card;
 mod journal;
 mod layers;
+pub mod plan;
 mod report;
 pub mod stages;
 
@@ -20,7 +21,7 @@ use crate::checkpoint::guard::{self, InputPath};
 use crate::checkpoint::writer::{self, OutputDir, TensorSpec};
 use crate::checkpoint::{Checkpoint, Dtype};
 use crate::engine::{self, config::ConfigEdits, Engine};
-use crate::format::quantized::{skip_rules, GptqConfig, FUSED_GROUPS};
+use crate::format::quantized::GptqConfig;
 use crate::gptq::QuantParams;
 use crate::model::AnyConfig;
 use crate::scheme::{ActOrder, GroupSize, QuantFormat};
@@ -65,6 +66,8 @@ pub struct QuantizeOptions {
     pub seqlen: usize,
     pub seed: u64,
     pub skip: Vec<String>,
+    /// Per-module bits and group sizes (`--plan`: a JSON file with GPTQModel `dynamic` rules).
+    pub plan: Option<PathBuf>,
     pub device: Device,
     pub dtype: DType,
     pub true_sequential: bool,
@@ -124,6 +127,10 @@ pub struct Settings {
     pub seqlen: usize,
     pub seed: u64,
     pub skip: Vec<String>,
+    /// What `--plan` changes: `module=bits/group` or `module=keep` for every Linear it moves
+    /// off the default scheme (empty without `--plan`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub plan: Vec<String>,
     pub calib: Vec<String>,
     pub dtype: String,
     pub device_kind: &'static str,
@@ -132,69 +139,6 @@ pub struct Settings {
     pub batch: usize,
     /// Hessians loaded from this folder instead of calibrating (`--load-hessians`).
     pub load_hessians: Option<String>,
-}
-
-/// The members of one layer's fused groups (`FUSED_GROUPS`, which SGLang and vLLM load as one
-/// Linear): `(parent.fused, [(member, skipped)])` in plan order, for every parent that holds
-/// members of a group.
-fn fused_members(mods: &[(String, bool)]) -> Vec<(String, Vec<&(String, bool)>)> {
-    let mut out: Vec<(String, Vec<&(String, bool)>)> = vec![];
-    for (fused, members) in FUSED_GROUPS {
-        for entry in mods {
-            let Some((parent, leaf)) = entry.0.rsplit_once('.') else {
-                continue;
-            };
-            if !members.contains(&leaf) {
-                continue;
-            }
-            let name = format!("{parent}.{fused}");
-            match out.iter_mut().find(|(n, _)| *n == name) {
-                Some((_, list)) => list.push(entry),
-                None => out.push((name, vec![entry])),
-            }
-        }
-    }
-    out
-}
-
-fn compile_skips(skip: &[String]) -> Result<Vec<regex::Regex>> {
-    skip.iter()
-        .map(|s| {
-            regex::Regex::new(s)
-                .map_err(|e| anyhow!("--skip {s:?} is not a valid regular expression: {e}"))
-        })
-        .collect()
-}
-
-/// Modules to quantize per layer (relative names), with fused groups checked.
-fn plan_modules(
-    cfg: &AnyConfig,
-    skips: &[regex::Regex],
-    skip_src: &[String],
-) -> Result<Vec<Vec<(String, bool)>>> {
-    let mut plan = vec![];
-    for i in 0..cfg.num_hidden_layers() {
-        let mut mods = vec![];
-        for l in cfg.layer_linears(i) {
-            let full = format!("model.layers.{i}.{}", l.name);
-            let skipped = skips.iter().any(|r| r.is_match(&full));
-            mods.push((l.name.to_string(), skipped));
-        }
-        for (fused, members) in fused_members(&mods) {
-            let skipped = members.iter().filter(|(_, s)| *s).count();
-            if skipped > 0 && skipped < members.len() {
-                let names: Vec<&str> = members.iter().map(|(m, _)| m.as_str()).collect();
-                bail!(
-                    "--skip {:?} splits the fused group {} of layer {i}: SGLang loads {} as one Linear ({fused}), so skip all of them or none",
-                    skip_src,
-                    names.join("/"),
-                    names.join(", ")
-                );
-            }
-        }
-        plan.push(mods);
-    }
-    Ok(plan)
 }
 
 /// Peak resident memory of this process in bytes (VmHWM), where the OS reports it.
@@ -218,6 +162,7 @@ fn side_inputs(opts: &QuantizeOptions) -> Vec<InputPath> {
             .iter()
             .map(|d| InputPath::new("--load-hessians", d)),
     );
+    v.extend(opts.plan.iter().map(|p| InputPath::new("--plan", p)));
     v
 }
 
@@ -305,37 +250,15 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     if opts.load_hessians.is_some() && opts.method == Method::Rtn {
         bail!("--load-hessians has no effect with --method rtn, which uses no Hessians");
     }
-    let skips = compile_skips(&opts.skip)?;
-    let plan = plan_modules(&cfg, &skips, &opts.skip)?;
-    // GPTQ packs whole blocks of codes along K (qweight) and of zeros along N (qzeros).
-    let (block, _) = crate::format::pack::block_shape(opts.bits)?;
-    for (i, mods) in plan.iter().enumerate() {
-        for (m, skipped) in mods {
-            if *skipped {
-                continue;
-            }
-            let l = cfg
-                .layer_linears(i)
-                .into_iter()
-                .find(|l| l.name == m)
-                .expect("planned from layer_linears");
-            if !opts.group_size.divides(l.k) {
-                bail!(
-                    "--group-size {} does not divide in_features {} of model.layers.{i}.{m}: use a group size that divides it, or -1",
-                    opts.group_size,
-                    l.k
-                );
-            }
-            if l.n % block != 0 || l.k % block != 0 {
-                bail!(
-                    "model.layers.{i}.{m} is [{}, {}]: {}-bit GPTQ packing needs both dimensions to be multiples of {block}; use other --bits or --skip it",
-                    l.n,
-                    l.k,
-                    opts.bits
-                );
-            }
-        }
-    }
+    let rules = match &opts.plan {
+        Some(p) => crate::format::quantized::read_plan_rules(p)?,
+        None => vec![],
+    };
+    let default_scheme = plan::Scheme {
+        bits: opts.bits,
+        group_size: opts.group_size,
+    };
+    let plan = plan::Plan::build(&cfg, &opts.skip, &rules, default_scheme)?;
     let layout = opts.layout();
     let settings = Settings {
         method: opts.method,
@@ -353,6 +276,11 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         batch: opts.batch,
         seed: opts.seed,
         skip: opts.skip.clone(),
+        plan: if rules.is_empty() {
+            vec![]
+        } else {
+            plan.overrides()
+        },
         calib: opts
             .calib
             .iter()
@@ -375,7 +303,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
             src.dir.join("config.json").display()
         )
     })?;
-    let specs = output_specs(&cfg, &ck, &plan, opts.bits, opts.group_size)?;
+    let specs = output_specs(&cfg, &ck, &plan)?;
     let side = writer::side_files(&src.dir)?;
     if let Some(target) = opts.engine {
         let qc = quantization_config(opts, &settings, &plan, opts.damp, serde_json::json!([]), "")?;
@@ -694,26 +622,12 @@ fn host_available_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
-/// The fused modules (`model.layers.i.self_attn.qkv_proj`) whose members the plan all keeps in
-/// 16 bits: the names the engines look up in `dynamic`.
-fn kept_fused(plan: &[Vec<(String, bool)>]) -> Vec<String> {
-    let mut out = vec![];
-    for (i, mods) in plan.iter().enumerate() {
-        for (fused, members) in fused_members(mods) {
-            if members.iter().all(|(_, skipped)| *skipped) {
-                out.push(format!("model.layers.{i}.{fused}"));
-            }
-        }
-    }
-    out
-}
-
 /// `quantization_config` of the output. `damp_max` and the calibration fields are the run's;
 /// before the run (the engine pre-check) placeholders of the same shape stand in.
 fn quantization_config(
     opts: &QuantizeOptions,
     s: &Settings,
-    plan: &[Vec<(String, bool)>],
+    plan: &plan::Plan,
     damp_max: f64,
     calib_usage: serde_json::Value,
     calib_sha256: &str,
@@ -725,7 +639,6 @@ fn quantization_config(
         "damp_percent": opts.damp,
         "damp_max_used": damp_max,
         "mse": opts.mse,
-        "refit": opts.refit,
         "true_sequential": opts.true_sequential,
         "static_groups": opts.act_order.static_groups(),
         "nsamples": opts.nsamples,
@@ -738,19 +651,13 @@ fn quantization_config(
     if let Some(alpha) = s.gptaq_alpha {
         meta["gptaq_alpha"] = serde_json::json!(alpha);
     }
+    if opts.refit {
+        meta["refit"] = serde_json::json!(true);
+    }
     // transformers ignores `dynamic`: it needs the quantized modules listed.
-    let skipped = plan.iter().flatten().any(|(_, s)| *s);
-    let modules_in_block_to_quantize =
-        (opts.engine == Some(Engine::Transformers) && skipped).then(|| {
-            plan.iter()
-                .enumerate()
-                .flat_map(|(i, mods)| {
-                    mods.iter()
-                        .filter(|(_, s)| !s)
-                        .map(move |(m, _)| format!("model.layers.{i}.{m}"))
-                })
-                .collect()
-        });
+    let modules_in_block_to_quantize = (opts.engine == Some(Engine::Transformers)
+        && plan.any_kept())
+    .then(|| plan.quantized().into_iter().map(|(n, _)| n).collect());
     let qc = GptqConfig {
         bits: opts.bits,
         group_size: opts.group_size,
@@ -760,7 +667,7 @@ fn quantization_config(
         format: opts.layout(),
         damp_percent: opts.damp,
         true_sequential: opts.true_sequential,
-        dynamic: skip_rules(&opts.skip, &kept_fused(plan))?,
+        dynamic: plan.dynamic(&opts.skip)?,
         modules_in_block_to_quantize,
         meta,
     };
@@ -769,29 +676,15 @@ fn quantization_config(
 
 /// The output's tensors in the order they are written: the source's, with every quantized
 /// Linear replaced by its GPTQ set (`qweight`, `qzeros`, `scales`, `g_idx`).
-fn output_specs(
-    cfg: &AnyConfig,
-    ck: &Checkpoint,
-    plan: &[Vec<(String, bool)>],
-    bits: u8,
-    group_size: GroupSize,
-) -> Result<Vec<TensorSpec>> {
-    let quantized: std::collections::BTreeSet<String> = plan
-        .iter()
-        .enumerate()
-        .flat_map(|(i, mods)| {
-            mods.iter()
-                .filter(|(_, s)| !s)
-                .map(move |(m, _)| format!("model.layers.{i}.{m}"))
-        })
-        .collect();
-    let (vals, words) = crate::format::pack::block_shape(bits)?;
+fn output_specs(cfg: &AnyConfig, ck: &Checkpoint, plan: &plan::Plan) -> Result<Vec<TensorSpec>> {
+    let quantized: BTreeMap<String, plan::Scheme> = plan.quantized().into_iter().collect();
     let mut specs = vec![];
     for (name, shape) in cfg.expected_tensors() {
         let prefix = name.strip_suffix(".weight").unwrap_or(&name);
-        if quantized.contains(prefix) {
+        if let Some(scheme) = quantized.get(prefix) {
+            let (vals, words) = crate::format::pack::block_shape(scheme.bits)?;
             let (n, k) = (shape[0], shape[1]);
-            let g = group_size.count(k);
+            let g = scheme.group_size.count(k);
             specs.push(TensorSpec::new(
                 format!("{prefix}.qweight"),
                 Dtype::I32,

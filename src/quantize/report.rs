@@ -14,6 +14,12 @@ pub struct ModuleRow {
     pub n: usize,
     pub k: usize,
     pub quantized: bool,
+    /// Bits of the codes (0 for skipped modules).
+    #[serde(default)]
+    pub bits: u8,
+    /// Columns per group (-1: one group per row; 0 for skipped modules).
+    #[serde(default)]
+    pub group_size: i64,
     /// GPTQ loss: Σ (w − q)² / d² / 2 over the module (0 for skipped modules).
     pub loss: f64,
     /// ||X(W−Q)ᵀ|| / ||XWᵀ|| on the calibration tokens (GPTQ runs only).
@@ -32,6 +38,8 @@ impl ModuleRow {
             n: 0,
             k: 0,
             quantized: false,
+            bits: 0,
+            group_size: 0,
             loss: 0.0,
             rel_output_error: None,
             damp: 0.0,
@@ -49,8 +57,15 @@ impl ModuleRow {
             .map(|r| format!("{:>9.5}", r))
             .unwrap_or_else(|| format!("{:>9}", "-"));
         format!(
-            "{:<44} {:>6}x{:<6} loss {:>11.4e}  rel.err {rel}  damp {:<7} {:>7.3}s",
-            self.module, self.n, self.k, self.loss, self.damp, self.seconds
+            "{:<44} {:>6}x{:<6} {}b/{:<4} loss {:>11.4e}  rel.err {rel}  damp {:<7} {:>7.3}s",
+            self.module,
+            self.n,
+            self.k,
+            self.bits,
+            self.group_size,
+            self.loss,
+            self.damp,
+            self.seconds
         )
     }
 }

@@ -92,3 +92,56 @@ pub fn write_text(dir: &Path, name: &str, text: &str) -> PathBuf {
 pub fn sample_text() -> String {
     soar_gptq::eval::DEFAULT_EVAL_TEXT[..40_000].to_string()
 }
+
+/// The shipped fixture model (a trained tiny MiniCPM-SALA).
+pub const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/tiny-sala");
+
+pub fn copy_dir(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).unwrap();
+    for e in std::fs::read_dir(src).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_file() {
+            std::fs::copy(&p, dst.join(p.file_name().unwrap())).unwrap();
+        }
+    }
+}
+
+/// Rewrites the shards of `dir` into `dst` (other files copied): `f` maps each tensor to the
+/// tensors written in its place (name, dtype, shape, bytes).
+#[allow(clippy::type_complexity)]
+pub fn rewrite_tensors(
+    dir: &Path,
+    dst: &Path,
+    f: impl Fn(
+        &str,
+        &soar_gptq::checkpoint::Checkpoint,
+    ) -> Vec<(String, soar_gptq::checkpoint::Dtype, Vec<usize>, Vec<u8>)>,
+) {
+    std::fs::create_dir_all(dst).unwrap();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        if p.is_file() && !name.ends_with(".safetensors") && name != "model.safetensors.index.json"
+        {
+            std::fs::copy(&p, dst.join(&name)).unwrap();
+        }
+    }
+    let ck = soar_gptq::checkpoint::Checkpoint::open(dir).unwrap();
+    let mut out = vec![];
+    for n in ck.names() {
+        out.extend(f(n, &ck));
+    }
+    let specs: Vec<soar_gptq::checkpoint::writer::TensorSpec> = out
+        .iter()
+        .map(|(n, d, s, _)| {
+            soar_gptq::checkpoint::writer::TensorSpec::new(n.clone(), *d, s.clone())
+        })
+        .collect();
+    soar_gptq::checkpoint::writer::write_sharded(dst, &specs, u64::MAX, |spec, w| {
+        let t = out.iter().find(|t| t.0 == spec.name).unwrap();
+        std::io::Write::write_all(w, &t.3)?;
+        Ok(())
+    })
+    .unwrap();
+    let _ = std::fs::remove_file(dst.join("manifest.json"));
+}

@@ -25,8 +25,8 @@ mod validate;
 pub use decode::{dequantize_gptq_tensor, dequantize_module, read_module_codes, ModuleCodes};
 pub(crate) use settings::read_json;
 pub use settings::{
-    dynamic_key_order, natural_cmp, read_quant_info, skip_rules, DynamicRule, GptqConfig,
-    ModuleQuant, QuantInfo, QuantOverride,
+    dynamic_key_order, engine_name, exact_pattern, natural_cmp, read_plan_rules, read_quant_info,
+    skip_rules, DynamicRule, GptqConfig, ModuleQuant, QuantInfo, QuantOverride,
 };
 pub(crate) use validate::at;
 pub use validate::{

@@ -3,7 +3,7 @@
 //! `+:REGEX` / `REGEX` override its bits, group size, sym or desc_act; matched from the start of
 //! the module name, as Python's `re.match` in the engines does, first match wins).
 
-use super::{CONFIG_FILE, QUANTIZE_CONFIG_FILE};
+use super::{CONFIG_FILE, FUSED_GROUPS, QUANTIZE_CONFIG_FILE};
 use crate::scheme::{GroupSize, QuantFormat};
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use regex::Regex;
@@ -376,6 +376,70 @@ pub fn read_quant_info(dir: &Path) -> Result<Option<QuantInfo>> {
         return Ok(Some(info));
     }
     Ok(None)
+}
+
+/// The name the engines match rules against: `model.layers.i.self_attn.qkv_proj` for a member of
+/// a fused group, the Linear's own name otherwise.
+pub fn engine_name(full: &str) -> String {
+    if let Some((parent, leaf)) = full.rsplit_once('.') {
+        for (fused, members) in FUSED_GROUPS {
+            if members.contains(&leaf) {
+                return format!("{parent}.{fused}");
+            }
+        }
+    }
+    full.to_string()
+}
+
+/// A `dynamic` pattern that matches exactly the engine module `eng` and its `members`' full
+/// names (anchored at both ends, as the engines' `re.match` anchors only the start).
+pub fn exact_pattern(eng: &str, members: &[&str]) -> String {
+    let (parent, leaf) = eng.rsplit_once('.').unwrap_or(("", eng));
+    let mut leaves: Vec<String> = members
+        .iter()
+        .filter_map(|m| m.rsplit_once('.').map(|(_, l)| l.to_string()))
+        .filter(|l| l != leaf)
+        .collect();
+    leaves.push(leaf.to_string());
+    leaves.dedup();
+    if leaves.len() == 1 {
+        format!("{}$", regex::escape(eng))
+    } else {
+        format!(
+            "{}\\.(?:{})$",
+            regex::escape(parent),
+            leaves
+                .iter()
+                .map(|l| regex::escape(l))
+                .collect::<Vec<_>>()
+                .join("|")
+        )
+    }
+}
+
+/// The rules of a plan file (`quantize --plan`, written by `sensitivity`): a JSON object whose
+/// `dynamic` object holds GPTQModel rules (`"+:REGEX": {"bits": 8}`, `"-:REGEX": {}`), in the
+/// order the file lists them (the first matching rule decides).
+pub fn read_plan_rules(path: &Path) -> Result<Vec<DynamicRule>> {
+    crate::checkpoint::guard::regular_file(path, "--plan")?;
+    let text = read_text(path)?;
+    let v = parse_json(path, &text)?;
+    let rules = match v.get("dynamic") {
+        Some(Value::Object(rules)) => rules
+            .iter()
+            .map(|(key, v)| parse_rule(key, v, path))
+            .collect::<Result<Vec<_>>>()?,
+        _ => bail!(
+            "{}: a plan is a JSON object with a \"dynamic\" object of rules, e.g. \
+             {{\"dynamic\": {{\"+:model\\\\.layers\\\\.3\\\\.mlp\\\\..*\": {{\"bits\": 8}}}}}} \
+             (`soar-gptq sensitivity --plan-out` writes one)",
+            path.display()
+        ),
+    };
+    let order = dynamic_key_order(&text);
+    let mut rules = rules;
+    rules.sort_by_key(|r| order.iter().position(|k| k == &r.key).unwrap_or(usize::MAX));
+    Ok(rules)
 }
 
 /// The keys of the `dynamic` object (of `quantization_config` in a config.json, or at the top

@@ -1,0 +1,345 @@
+//! Which Linears `quantize` quantizes, and with which bits and group size (docs/usage.md, Mixed
+//! precision): `--skip` keeps matching modules in 16 bits; `--plan` (a JSON file with a
+//! GPTQModel `dynamic` object, as `sensitivity` writes it) overrides bits and group size per
+//! module, or keeps modules in 16 bits with `-:` rules.
+//!
+//! The serving engines match `dynamic` rules against their own module names: the fused
+//! `qkv_proj` and `gate_up_proj` for q/k/v and gate/up (`FUSED_GROUPS`), the Linear's name
+//! otherwise. A rule that would treat a Linear and its fused module differently is refused, and
+//! so are different settings inside one fused group: the engine loads it as one Linear.
+
+use crate::format::quantized::{engine_name, exact_pattern, skip_rules, DynamicRule};
+use crate::model::AnyConfig;
+use crate::scheme::GroupSize;
+use anyhow::{anyhow, bail, Result};
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+/// Bits and group size of a quantized Linear.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Scheme {
+    pub bits: u8,
+    pub group_size: GroupSize,
+}
+
+impl std::fmt::Display for Scheme {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-bit group {}", self.bits, self.group_size)
+    }
+}
+
+/// What happens to one Linear.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModulePlan {
+    /// Kept in 16 bits (`--skip`, or a `-:` rule).
+    Keep,
+    Quantize(Scheme),
+}
+
+impl ModulePlan {
+    pub fn scheme(self) -> Option<Scheme> {
+        match self {
+            ModulePlan::Keep => None,
+            ModulePlan::Quantize(s) => Some(s),
+        }
+    }
+}
+
+/// One Linear of a layer and its plan.
+#[derive(Clone, Debug)]
+pub struct PlannedLinear {
+    /// Relative name (`self_attn.q_proj`).
+    pub name: String,
+    pub plan: ModulePlan,
+}
+
+/// The plan of a whole run.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub layers: Vec<Vec<PlannedLinear>>,
+    /// `--bits` / `--group-size`.
+    pub default: Scheme,
+}
+
+/// The plan a rule list gives a module: the first matching rule (file order), a skip or the
+/// default with its overrides.
+fn by_rules(rules: &[DynamicRule], name: &str, default: Scheme) -> Result<(ModulePlan, String)> {
+    let Some(r) = rules.iter().find(|r| r.matches(name)) else {
+        return Ok((ModulePlan::Quantize(default), "no rule".into()));
+    };
+    if r.skip {
+        return Ok((ModulePlan::Keep, format!("rule {:?}", r.key)));
+    }
+    let o = r.overrides;
+    if o.sym.is_some() || o.desc_act.is_some() {
+        bail!(
+            "--plan rule {:?} sets sym or desc_act: this tool sets them for the whole model \
+             (--asym, --act-order); keep only bits and group_size in the rule",
+            r.key
+        );
+    }
+    let bits = o.bits.unwrap_or(default.bits);
+    if ![2, 3, 4, 8].contains(&bits) {
+        bail!(
+            "--plan rule {:?} asks for {bits} bits: GPTQ packing takes 2, 3, 4 or 8",
+            r.key
+        );
+    }
+    Ok((
+        ModulePlan::Quantize(Scheme {
+            bits,
+            group_size: o.group_size.unwrap_or(default.group_size),
+        }),
+        format!("rule {:?}", r.key),
+    ))
+}
+
+impl Plan {
+    /// The plan for `cfg`: `skip` patterns (searched anywhere in the full name) keep modules in
+    /// 16 bits and win over `rules` (a `--plan` file's, in file order), which override the
+    /// default scheme. Checks every quantized Linear's shape against its scheme.
+    pub fn build(
+        cfg: &AnyConfig,
+        skip: &[String],
+        rules: &[DynamicRule],
+        default: Scheme,
+    ) -> Result<Self> {
+        let skips = skip
+            .iter()
+            .map(|s| {
+                regex::Regex::new(s)
+                    .map_err(|e| anyhow!("--skip {s:?} is not a valid regular expression: {e}"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut layers = vec![];
+        for i in 0..cfg.num_hidden_layers() {
+            let mut mods: Vec<PlannedLinear> = vec![];
+            for l in cfg.layer_linears(i) {
+                let full = format!("model.layers.{i}.{}", l.name);
+                let plan = if skips.iter().any(|r| r.is_match(&full)) {
+                    ModulePlan::Keep
+                } else {
+                    let eng = engine_name(&full);
+                    let (own, why_own) = by_rules(rules, &full, default)?;
+                    let (engine, why_eng) = by_rules(rules, &eng, default)?;
+                    if own != engine {
+                        bail!(
+                            "--plan: {full} gets {} by its own name ({why_own}) but {} by the \
+                             name SGLang and vLLM match rules against, {eng} ({why_eng}); write \
+                             the rule so that it matches both, e.g. \"+:{}\"",
+                            describe(own),
+                            describe(engine),
+                            exact_pattern(&eng, &[&full])
+                        );
+                    }
+                    own
+                };
+                if let ModulePlan::Quantize(s) = plan {
+                    check_shape(&full, l.n, l.k, s, s == default)?;
+                }
+                mods.push(PlannedLinear {
+                    name: l.name.to_string(),
+                    plan,
+                });
+            }
+            for (fused, members) in fused_members(i, &mods) {
+                let plans: Vec<ModulePlan> = members.iter().map(|m| m.plan).collect();
+                if plans.iter().any(|p| *p != plans[0]) {
+                    let names: Vec<&str> = members.iter().map(|m| m.name.as_str()).collect();
+                    let kept = plans.iter().filter(|p| **p == ModulePlan::Keep).count();
+                    if kept > 0 && kept < plans.len() && rules.is_empty() {
+                        bail!(
+                            "--skip {skip:?} splits the fused group {} of layer {i}: SGLang loads {} \
+                             as one Linear ({fused}), so skip all of them or none",
+                            names.join("/"),
+                            names.join(", ")
+                        );
+                    }
+                    bail!(
+                        "the plan gives the fused group {} of layer {i} different settings ({}): \
+                         SGLang loads them as one Linear ({fused}), so give all of them the same",
+                        names.join("/"),
+                        plans
+                            .iter()
+                            .zip(&names)
+                            .map(|(p, n)| format!("{n} {}", describe(*p)))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    );
+                }
+            }
+            layers.push(mods);
+        }
+        Ok(Self { layers, default })
+    }
+
+    /// The plan of Linear `m` (relative name) of layer `i`.
+    pub fn get(&self, i: usize, m: &str) -> ModulePlan {
+        self.layers[i]
+            .iter()
+            .find(|p| p.name == m)
+            .map_or(ModulePlan::Keep, |p| p.plan)
+    }
+
+    /// Whether some quantized Linear has other bits or another group size than the default.
+    pub fn is_mixed(&self) -> bool {
+        self.layers
+            .iter()
+            .flatten()
+            .any(|p| matches!(p.plan, ModulePlan::Quantize(s) if s != self.default))
+    }
+
+    /// Whether some Linear is kept in 16 bits.
+    pub fn any_kept(&self) -> bool {
+        self.layers
+            .iter()
+            .flatten()
+            .any(|p| p.plan == ModulePlan::Keep)
+    }
+
+    /// Full names of the quantized Linears, with their schemes, in layer order.
+    pub fn quantized(&self) -> Vec<(String, Scheme)> {
+        self.layers
+            .iter()
+            .enumerate()
+            .flat_map(|(i, mods)| {
+                mods.iter().filter_map(move |p| {
+                    p.plan
+                        .scheme()
+                        .map(|s| (format!("model.layers.{i}.{}", p.name), s))
+                })
+            })
+            .collect()
+    }
+
+    /// Every Linear whose plan is not the default scheme, as `name=bits/group` or `name=keep`:
+    /// what the plan changes, for the settings hash and the report.
+    pub fn overrides(&self) -> Vec<String> {
+        let mut out = vec![];
+        for (i, mods) in self.layers.iter().enumerate() {
+            for p in mods {
+                let full = format!("model.layers.{i}.{}", p.name);
+                match p.plan {
+                    ModulePlan::Keep => out.push(format!("{full}=keep")),
+                    ModulePlan::Quantize(s) if s != self.default => {
+                        out.push(format!("{full}={}/{}", s.bits, s.group_size))
+                    }
+                    _ => {}
+                }
+            }
+        }
+        out
+    }
+
+    /// The fused modules (`model.layers.i.self_attn.qkv_proj`) whose members are all kept in 16
+    /// bits: the names the engines look up in `dynamic`.
+    pub fn kept_fused(&self) -> Vec<String> {
+        let mut out = vec![];
+        for (i, mods) in self.layers.iter().enumerate() {
+            for (fused, members) in fused_members(i, mods) {
+                if members.iter().all(|m| m.plan == ModulePlan::Keep) {
+                    out.push(format!("model.layers.{i}.{fused}"));
+                }
+            }
+        }
+        out
+    }
+
+    /// The output's `dynamic` rules. Without per-module schemes, the `--skip` rules as before
+    /// ([`skip_rules`]). With them, one exact rule per engine module whose plan is not the
+    /// default (`+:` with its bits and group size, or `-:`), matching the engine's (fused) name
+    /// and its members' names alike: the rules are disjoint, so their order (which JSON objects
+    /// do not keep) cannot matter.
+    pub fn dynamic(&self, skip: &[String]) -> Result<Map<String, Value>> {
+        if !self.is_mixed() {
+            return skip_rules(skip, &self.kept_fused());
+        }
+        let mut out = Map::new();
+        for (i, mods) in self.layers.iter().enumerate() {
+            let mut done: Vec<String> = vec![];
+            for p in mods {
+                let full = format!("model.layers.{i}.{}", p.name);
+                let eng = engine_name(&full);
+                if done.contains(&eng) {
+                    continue;
+                }
+                done.push(eng.clone());
+                let members: Vec<String> = mods
+                    .iter()
+                    .map(|q| format!("model.layers.{i}.{}", q.name))
+                    .filter(|n| engine_name(n) == eng)
+                    .collect();
+                let refs: Vec<&str> = members.iter().map(String::as_str).collect();
+                let pattern = exact_pattern(&eng, &refs);
+                match p.plan {
+                    ModulePlan::Keep => {
+                        out.insert(format!("-:{pattern}"), serde_json::json!({}));
+                    }
+                    ModulePlan::Quantize(s) if s != self.default => {
+                        out.insert(
+                            format!("+:{pattern}"),
+                            serde_json::json!({"bits": s.bits, "group_size": s.group_size}),
+                        );
+                    }
+                    ModulePlan::Quantize(_) => {}
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn describe(p: ModulePlan) -> String {
+    match p {
+        ModulePlan::Keep => "16 bits".into(),
+        ModulePlan::Quantize(s) => s.to_string(),
+    }
+}
+
+/// The members of layer `i`'s fused groups: `(parent.fused, members)`.
+fn fused_members(i: usize, mods: &[PlannedLinear]) -> Vec<(String, Vec<&PlannedLinear>)> {
+    let mut out: Vec<(String, Vec<&PlannedLinear>)> = vec![];
+    for p in mods {
+        let full = format!("model.layers.{i}.{}", p.name);
+        let eng = engine_name(&full);
+        if eng == full {
+            continue;
+        }
+        let rel = eng
+            .strip_prefix(&format!("model.layers.{i}."))
+            .unwrap_or(&eng)
+            .to_string();
+        match out.iter_mut().find(|(n, _)| *n == rel) {
+            Some((_, list)) => list.push(p),
+            None => out.push((rel, vec![p])),
+        }
+    }
+    out
+}
+
+/// GPTQ packs whole blocks of codes along K (qweight) and of zeros along N (qzeros); the group
+/// size must divide K.
+/// `default`: the scheme comes from `--bits`/`--group-size` (else from a `--plan` rule).
+fn check_shape(full: &str, n: usize, k: usize, s: Scheme, default: bool) -> Result<()> {
+    let (group, bits) = if default {
+        ("--group-size", "--bits")
+    } else {
+        ("the --plan group size", "--plan bits")
+    };
+    if !s.group_size.divides(k) {
+        bail!(
+            "{group} {} does not divide in_features {k} of {full}: use a group size that \
+             divides it, or -1",
+            s.group_size
+        );
+    }
+    let (block, _) = crate::format::pack::block_shape(s.bits)?;
+    if !n.is_multiple_of(block) || !k.is_multiple_of(block) {
+        bail!(
+            "{full} is [{n}, {k}]: {}-bit GPTQ packing needs both dimensions to be multiples of \
+             {block}; use other {bits} or --skip it",
+            s.bits
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,602 @@
+//! `sensitivity`: which quantized units of a checkpoint hurt, and what restoring each buys per
+//! byte (docs/usage.md, Sensitivity). For every unit (per layer the attention Linears and the
+//! MLP Linears, or per engine module) the end-to-end mean KL and perplexity change when that
+//! unit alone goes back to 16 bits (and, with `--alone`, when it alone is quantized), measured
+//! with the `eval-ppl` protocol on the same windows; then a plan for a size budget or a KL
+//! target, as GPTQModel `dynamic` rules that `quantize --plan` takes.
+//!
+//! All variants run layer by layer in one pass, one layer's weights resident: a variant's hidden
+//! states are the quantized model's (or the reference's) until the layer of its unit, where it
+//! branches off and runs on from there. The cost is about (layers / 2) evaluations.
+
+use crate::eval::{batch_nll, kl_and_agreement, log_probs, make_windows, LoadedModel, PplOptions};
+use crate::format::quantized::{engine_name, exact_pattern};
+use crate::model::{AnyLayer, LinearGroup};
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Tensor};
+use serde::Serialize;
+use serde_json::{Map, Value};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// How finely the checkpoint is cut into units.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Granularity {
+    /// Per layer: the attention Linears, the MLP Linears.
+    Block,
+    /// Per module the engines load: `qkv_proj`, `o_proj`, the attention gate, `gate_up_proj`,
+    /// `down_proj`.
+    Module,
+}
+
+/// A size budget for the plan.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub enum Budget {
+    /// Extra bytes.
+    Bytes(u64),
+    /// Extra size as a percentage of the quantized checkpoint's tensors.
+    Percent(f64),
+}
+
+#[derive(Clone, Debug)]
+pub struct SensitivityOptions {
+    pub eval: PplOptions,
+    pub granularity: Granularity,
+    /// Also score each unit quantized alone (the rest in 16 bits).
+    pub alone: bool,
+    /// What a planned unit becomes: 8 (bits) or 16 (kept unquantized).
+    pub upgrade_bits: u8,
+    pub budget: Option<Budget>,
+    pub kl_target: Option<f64>,
+}
+
+/// Scores of one variant against the reference.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Score {
+    pub mean_kl: f64,
+    pub ppl: f64,
+    pub delta_ppl: f64,
+    pub top1_agreement: f64,
+}
+
+/// One unit and what it costs.
+#[derive(Clone, Debug, Serialize)]
+pub struct Unit {
+    /// `model.layers.3.mlp`, or the engine module (`model.layers.3.self_attn.qkv_proj`).
+    pub name: String,
+    pub layer: usize,
+    /// Its quantized Linears.
+    pub modules: Vec<String>,
+    pub params: u64,
+    /// Bytes as stored in the quantized checkpoint.
+    pub bytes: u64,
+    /// Bytes at 8 bits (same group size) and in 16 bits.
+    pub bytes_8bit: u64,
+    pub bytes_16bit: u64,
+    /// The scores with this unit restored to 16 bits (the rest quantized).
+    pub restored: Score,
+    /// The mean-KL reduction that restoring buys: the quantized model's mean KL minus
+    /// `restored.mean_kl`.
+    pub kl_gain: f64,
+    /// With `--alone`: the scores with only this unit quantized.
+    pub alone: Option<Score>,
+}
+
+/// The suggested plan.
+#[derive(Clone, Debug, Serialize)]
+pub struct PlanSuggestion {
+    /// What the planned units become: 8 (bits) or 16 (unquantized).
+    pub upgrade_bits: u8,
+    pub budget_bytes: Option<u64>,
+    pub kl_target: Option<f64>,
+    /// Unit names, in the order they were chosen.
+    pub units: Vec<String>,
+    pub extra_bytes: u64,
+    /// `extra_bytes` against the quantized checkpoint's tensors and against its quantized
+    /// Linears alone, in percent.
+    pub extra_percent_of_checkpoint: f64,
+    pub extra_percent_of_quantized_linears: f64,
+    /// The quantized model's mean KL minus the chosen units' gains (the gains measured one unit
+    /// at a time in 16 bits: an estimate, to be checked with `eval-ppl --compare`).
+    pub predicted_mean_kl: f64,
+    /// The rules for `quantize --plan`.
+    pub dynamic: Map<String, Value>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct SensitivityReport {
+    pub reference: String,
+    pub quantized: String,
+    pub granularity: Granularity,
+    pub windows: usize,
+    pub seqlen: usize,
+    pub tokens: usize,
+    pub reference_ppl: f64,
+    /// The quantized checkpoint as it is.
+    pub quantized_score: Score,
+    /// Bytes of all tensors of the quantized checkpoint, and of its quantized Linears.
+    pub checkpoint_bytes: u64,
+    pub quantized_linear_bytes: u64,
+    /// Ranked: largest `kl_gain` first (ties in model order).
+    pub units: Vec<Unit>,
+    pub plan: Option<PlanSuggestion>,
+    pub seconds: f64,
+}
+
+/// A hidden-state stream: the reference, the quantized model, or a unit's variant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Variant {
+    Reference,
+    Quantized,
+    /// Unit `u` in 16 bits, the rest quantized.
+    Restored(usize),
+    /// Unit `u` quantized, the rest in 16 bits.
+    Alone(usize),
+}
+
+pub fn sensitivity(
+    reference: &Path,
+    quantized: &Path,
+    text: &str,
+    opts: &SensitivityOptions,
+) -> Result<SensitivityReport> {
+    let t0 = Instant::now();
+    let (dtype, device) = (opts.eval.dtype, &opts.eval.device);
+    let rlm = LoadedModel::open(reference)?;
+    if rlm.quant.is_some() {
+        bail!(
+            "--model {} is quantized: sensitivity compares a quantized checkpoint (--quantized) \
+             against its 16-bit source (--model)",
+            reference.display()
+        );
+    }
+    let qlm = LoadedModel::open(quantized)?;
+    let Some((_, qmods)) = &qlm.quant else {
+        bail!(
+            "--quantized {} holds no quantization settings: give the GPTQ or Marlin checkpoint \
+             that quantize wrote",
+            quantized.display()
+        );
+    };
+    if qlm.cfg.expected_tensors() != rlm.cfg.expected_tensors() {
+        bail!(
+            "--quantized {} is not a quantization of --model {}: their configs give different \
+             tensors",
+            quantized.display(),
+            reference.display()
+        );
+    }
+    let cfg = &rlm.cfg;
+    let units = build_units(&rlm, qmods, opts.granularity);
+    if units.is_empty() {
+        bail!(
+            "--quantized {} has no quantized Linears in its decoder layers",
+            quantized.display()
+        );
+    }
+    let windows = make_windows(&rlm.tokenizer, text, cfg, &opts.eval)?;
+    let model = rlm.model(dtype, device)?;
+    model.check_length(opts.eval.seqlen)?;
+
+    // Every variant's states, per batch of windows, as they leave the last layer done.
+    let mut streams: BTreeMap<Variant, Vec<Tensor>> = BTreeMap::new();
+    let mut embedded = vec![];
+    for b in windows.chunks(opts.eval.batch.max(1)) {
+        let flat: Vec<u32> = b.iter().flatten().copied().collect();
+        let ids = Tensor::from_vec(flat, (b.len(), windows[0].len()), device)?;
+        embedded.push(model.embed(&ids)?);
+    }
+    streams.insert(Variant::Reference, embedded.clone());
+    streams.insert(Variant::Quantized, embedded);
+    let pb = crate::progress::bar(cfg.num_hidden_layers() as u64, "sensitivity");
+    for i in 0..cfg.num_hidden_layers() {
+        let full = rlm.layer(i, dtype, device)?;
+        let quant = qlm.layer(i, dtype, device)?;
+        // Variants of this layer's units branch off before the layer runs.
+        for u in (0..units.len()).filter(|&u| units[u].layer == i) {
+            streams.insert(Variant::Restored(u), streams[&Variant::Quantized].clone());
+            if opts.alone {
+                streams.insert(Variant::Alone(u), streams[&Variant::Reference].clone());
+            }
+        }
+        for (v, states) in streams.iter_mut() {
+            let hybrid;
+            let layer: &AnyLayer = match *v {
+                Variant::Reference => &full,
+                Variant::Quantized => &quant,
+                Variant::Restored(u) if units[u].layer == i => {
+                    hybrid = mixed_layer(&rlm, &qlm, i, &units[u].modules, true, dtype, device)?;
+                    &hybrid
+                }
+                Variant::Alone(u) if units[u].layer == i => {
+                    hybrid = mixed_layer(&rlm, &qlm, i, &units[u].modules, false, dtype, device)?;
+                    &hybrid
+                }
+                Variant::Restored(_) => &quant,
+                Variant::Alone(_) => &full,
+            };
+            for h in states.iter_mut() {
+                *h = layer.forward(h, &mut |_, _| Ok(()))?;
+            }
+        }
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+
+    // Scores: per batch the reference's log-probabilities once, then every variant's.
+    let batches: Vec<&[Vec<u32>]> = windows.chunks(opts.eval.batch.max(1)).collect();
+    let mut sums: BTreeMap<Variant, (f64, f64, usize)> = BTreeMap::new();
+    let (mut ref_nll, mut count) = (0.0, 0usize);
+    for (bi, ws) in batches.iter().enumerate() {
+        let rlp = log_probs(&model, &streams[&Variant::Reference][bi])?;
+        let (s, c) = batch_nll(&rlp, ws)?;
+        ref_nll += s;
+        count += c;
+        for (v, states) in &streams {
+            if *v == Variant::Reference {
+                continue;
+            }
+            let lp = log_probs(&model, &states[bi])?;
+            let nll = batch_nll(&lp, ws)?.0;
+            let (kl, agree) = kl_and_agreement(&lp, &rlp)?;
+            let e = sums.entry(*v).or_default();
+            e.0 += nll;
+            e.1 += kl;
+            e.2 += agree;
+        }
+    }
+    let ref_ppl = (ref_nll / count as f64).exp();
+    if !ref_ppl.is_finite() {
+        bail!(
+            "--model {} gives a non-finite perplexity on this text",
+            reference.display()
+        );
+    }
+    let score = |v: Variant| -> Score {
+        let (nll, kl, agree) = sums[&v];
+        let ppl = (nll / count as f64).exp();
+        Score {
+            mean_kl: kl / count as f64,
+            ppl,
+            delta_ppl: ppl - ref_ppl,
+            top1_agreement: agree as f64 / count as f64,
+        }
+    };
+    let base = score(Variant::Quantized);
+    let mut ranked: Vec<Unit> = units
+        .into_iter()
+        .enumerate()
+        .map(|(u, spec)| {
+            let restored = score(Variant::Restored(u));
+            Unit {
+                kl_gain: base.mean_kl - restored.mean_kl,
+                restored,
+                alone: opts.alone.then(|| score(Variant::Alone(u))),
+                ..spec
+            }
+        })
+        .collect();
+    // Stable: equal gains keep model order.
+    ranked.sort_by(|a, b| b.kl_gain.total_cmp(&a.kl_gain));
+    let checkpoint_bytes: u64 = qlm
+        .ck
+        .names()
+        .filter_map(|n| qlm.ck.get(n))
+        .map(|e| e.nbytes() as u64)
+        .sum();
+    let quantized_linear_bytes: u64 = qmods.values().map(|m| m.bytes).sum();
+    let plan = suggest_plan(
+        &ranked,
+        base.mean_kl,
+        checkpoint_bytes,
+        quantized_linear_bytes,
+        opts,
+    );
+    Ok(SensitivityReport {
+        reference: reference.display().to_string(),
+        quantized: quantized.display().to_string(),
+        granularity: opts.granularity,
+        windows: windows.len(),
+        seqlen: opts.eval.seqlen,
+        tokens: count,
+        reference_ppl: ref_ppl,
+        quantized_score: base,
+        checkpoint_bytes,
+        quantized_linear_bytes,
+        units: ranked,
+        plan,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// Layer `i` with the Linears of `modules` taken from the reference (`restore`) or from the
+/// quantized checkpoint (`!restore`), everything else from the other one.
+fn mixed_layer(
+    rlm: &LoadedModel,
+    qlm: &LoadedModel,
+    i: usize,
+    modules: &[String],
+    restore: bool,
+    dtype: DType,
+    device: &candle_core::Device,
+) -> Result<AnyLayer> {
+    AnyLayer::from_tensors(&rlm.cfg, i, &|name| {
+        let prefix = name
+            .strip_suffix(".weight")
+            .or_else(|| name.strip_suffix(".bias"))
+            .unwrap_or(name);
+        let in_unit = modules.iter().any(|m| m == prefix);
+        if in_unit == restore {
+            rlm.tensor(name, dtype, device)
+        } else {
+            qlm.tensor(name, dtype, device)
+        }
+    })
+    .with_context(|| format!("building the mixed layer {i}"))
+}
+
+/// The units of the quantized checkpoint, in model order, without their scores yet.
+fn build_units(
+    rlm: &LoadedModel,
+    qmods: &BTreeMap<String, crate::format::quantized::QuantModule>,
+    granularity: Granularity,
+) -> Vec<Unit> {
+    let cfg = &rlm.cfg;
+    let mut units: Vec<Unit> = vec![];
+    for i in 0..cfg.num_hidden_layers() {
+        let mut layer_units: Vec<(String, Vec<String>)> = vec![];
+        for l in cfg.layer_linears(i) {
+            let full = format!("model.layers.{i}.{}", l.name);
+            if !qmods.contains_key(&full) {
+                continue;
+            }
+            let name = match granularity {
+                Granularity::Block => {
+                    let block = match l.group {
+                        LinearGroup::Qkv | LinearGroup::O => "attention",
+                        LinearGroup::GateUp | LinearGroup::Down => "mlp",
+                    };
+                    let parent = l.name.split('.').next().unwrap_or(block);
+                    format!("model.layers.{i}.{parent}")
+                }
+                Granularity::Module => engine_name(&full),
+            };
+            match layer_units.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, m)) => m.push(full),
+                None => layer_units.push((name, vec![full])),
+            }
+        }
+        for (name, modules) in layer_units {
+            let (mut params, mut bytes, mut b8, mut b16) = (0u64, 0u64, 0u64, 0u64);
+            for m in &modules {
+                let q = &qmods[m];
+                let (n, k) = (q.n as u64, q.k as u64);
+                let groups = q.groups as u64;
+                params += n * k;
+                bytes += q.bytes;
+                // 8-bit GPTQ: qweight N·K bytes, qzeros groups·N bytes, fp16 scales, g_idx.
+                b8 += n * k + groups * n + 2 * groups * n + 4 * k;
+                b16 += 2 * n * k;
+            }
+            units.push(Unit {
+                name,
+                layer: i,
+                modules,
+                params,
+                bytes,
+                bytes_8bit: b8,
+                bytes_16bit: b16,
+                restored: Score {
+                    mean_kl: 0.0,
+                    ppl: 0.0,
+                    delta_ppl: 0.0,
+                    top1_agreement: 0.0,
+                },
+                kl_gain: 0.0,
+                alone: None,
+            });
+        }
+    }
+    units
+}
+
+/// Greedy by KL gain per extra byte: units that lower the mean KL when restored, cheapest gain
+/// first, while the budget holds (a unit that does not fit is passed over for cheaper ones)
+/// and until the predicted mean KL reaches the target.
+fn suggest_plan(
+    ranked: &[Unit],
+    base_kl: f64,
+    checkpoint_bytes: u64,
+    linear_bytes: u64,
+    opts: &SensitivityOptions,
+) -> Option<PlanSuggestion> {
+    if opts.budget.is_none() && opts.kl_target.is_none() {
+        return None;
+    }
+    let budget = opts.budget.map(|b| match b {
+        Budget::Bytes(x) => x,
+        Budget::Percent(p) => (checkpoint_bytes as f64 * p / 100.0) as u64,
+    });
+    let extra = |u: &Unit| -> u64 {
+        let to = if opts.upgrade_bits >= 16 {
+            u.bytes_16bit
+        } else {
+            u.bytes_8bit
+        };
+        to.saturating_sub(u.bytes)
+    };
+    let mut candidates: Vec<&Unit> = ranked
+        .iter()
+        .filter(|u| u.kl_gain > 0.0 && extra(u) > 0)
+        .collect();
+    candidates.sort_by(|a, b| {
+        let (ra, rb) = (a.kl_gain / extra(a) as f64, b.kl_gain / extra(b) as f64);
+        rb.total_cmp(&ra)
+    });
+    let (mut used, mut predicted) = (0u64, base_kl);
+    let mut chosen: Vec<&Unit> = vec![];
+    for u in candidates {
+        if opts.kl_target.is_some_and(|t| predicted <= t) {
+            break;
+        }
+        if budget.is_some_and(|b| used + extra(u) > b) {
+            continue;
+        }
+        used += extra(u);
+        predicted -= u.kl_gain;
+        chosen.push(u);
+    }
+    let mut dynamic = Map::new();
+    let mut seen: BTreeSet<String> = BTreeSet::new();
+    for u in &chosen {
+        for m in &u.modules {
+            let eng = engine_name(m);
+            if !seen.insert(eng.clone()) {
+                continue;
+            }
+            let members: Vec<&str> = u
+                .modules
+                .iter()
+                .filter(|x| engine_name(x) == eng)
+                .map(String::as_str)
+                .collect();
+            let pattern = exact_pattern(&eng, &members);
+            if opts.upgrade_bits >= 16 {
+                dynamic.insert(format!("-:{pattern}"), serde_json::json!({}));
+            } else {
+                dynamic.insert(
+                    format!("+:{pattern}"),
+                    serde_json::json!({"bits": opts.upgrade_bits}),
+                );
+            }
+        }
+    }
+    Some(PlanSuggestion {
+        upgrade_bits: opts.upgrade_bits,
+        budget_bytes: budget,
+        kl_target: opts.kl_target,
+        units: chosen.iter().map(|u| u.name.clone()).collect(),
+        extra_bytes: used,
+        extra_percent_of_checkpoint: 100.0 * used as f64 / checkpoint_bytes.max(1) as f64,
+        extra_percent_of_quantized_linears: 100.0 * used as f64 / linear_bytes.max(1) as f64,
+        predicted_mean_kl: predicted.max(0.0),
+        dynamic,
+    })
+}
+
+/// The plan file `quantize --plan` reads: the `dynamic` rules, with what they were made from.
+pub fn plan_file(r: &SensitivityReport) -> Option<Value> {
+    let p = r.plan.as_ref()?;
+    Some(serde_json::json!({
+        "format": "soar-gptq-plan",
+        "version": 1,
+        "made_by": format!("soar-gptq {} sensitivity", env!("CARGO_PKG_VERSION")),
+        "reference": r.reference,
+        "quantized": r.quantized,
+        "note": "quantize with the settings of the quantized checkpoint plus --plan this file",
+        "upgrade_bits": p.upgrade_bits,
+        "units": p.units,
+        "extra_bytes": p.extra_bytes,
+        "quantized_mean_kl": r.quantized_score.mean_kl,
+        "predicted_mean_kl": p.predicted_mean_kl,
+        "dynamic": p.dynamic,
+    }))
+}
+
+impl SensitivityReport {
+    pub fn print_text(&self) {
+        crate::outln!(
+            "scored {} tokens in {} windows of {} (protocol: docs/eval.md); reference ppl {:.4}",
+            self.tokens,
+            self.windows,
+            self.seqlen,
+            self.reference_ppl
+        );
+        let s = &self.quantized_score;
+        crate::outln!(
+            "quantized as it is: mean KL {:.5}, ppl {:.4} ({:+.4}), top-1 {:.2}%; {:.2} MB \
+             ({:.2} MB of quantized Linears)",
+            s.mean_kl,
+            s.ppl,
+            s.delta_ppl,
+            100.0 * s.top1_agreement,
+            self.checkpoint_bytes as f64 / 1e6,
+            self.quantized_linear_bytes as f64 / 1e6
+        );
+        crate::outln!(
+            "\n{:>4}  {:<44} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10}",
+            "rank",
+            "unit (restored to 16 bits)",
+            "KL gain",
+            "KL",
+            "Δppl",
+            "top-1",
+            "MB now",
+            "+MB @8bit"
+        );
+        for (r, u) in self.units.iter().enumerate() {
+            crate::outln!(
+                "{:>4}  {:<44} {:>10.5} {:>9.5} {:>+9.4} {:>8.2}% {:>10.3} {:>10.3}",
+                r + 1,
+                u.name,
+                u.kl_gain,
+                u.restored.mean_kl,
+                u.restored.delta_ppl,
+                100.0 * u.restored.top1_agreement,
+                u.bytes as f64 / 1e6,
+                u.bytes_8bit.saturating_sub(u.bytes) as f64 / 1e6
+            );
+            if let Some(a) = &u.alone {
+                crate::outln!(
+                    "{:>4}  {:<44} {:>10} {:>9.5} {:>+9.4} {:>8.2}%",
+                    "",
+                    "  quantized alone",
+                    "",
+                    a.mean_kl,
+                    a.delta_ppl,
+                    100.0 * a.top1_agreement
+                );
+            }
+        }
+        if let Some(p) = &self.plan {
+            crate::outln!(
+                "\nplan: {} unit(s) to {}, +{:.3} MB ({:.1}% of the checkpoint, {:.1}% of its \
+                 quantized Linears); predicted mean KL {:.5} (from {:.5})",
+                p.units.len(),
+                if p.upgrade_bits >= 16 {
+                    "16 bits".to_string()
+                } else {
+                    format!("{} bits", p.upgrade_bits)
+                },
+                p.extra_bytes as f64 / 1e6,
+                p.extra_percent_of_checkpoint,
+                p.extra_percent_of_quantized_linears,
+                p.predicted_mean_kl,
+                self.quantized_score.mean_kl
+            );
+            for u in &p.units {
+                crate::outln!("  {u}");
+            }
+        }
+        crate::outln!("time {:.1} s", self.seconds);
+    }
+}
+
+/// Writes the plan file next to nothing the run read.
+pub fn write_plan(path: &Path, r: &SensitivityReport, inputs: &[PathBuf]) -> Result<()> {
+    let Some(v) = plan_file(r) else {
+        bail!("--plan-out needs a plan: give --budget-gb, --budget-pct or --kl-target");
+    };
+    let inputs: Vec<crate::checkpoint::guard::InputPath> = inputs
+        .iter()
+        .map(|p| crate::checkpoint::guard::InputPath::new("an input", p))
+        .collect();
+    crate::checkpoint::guard::check_output("--plan-out", path, &[], &inputs)?;
+    crate::checkpoint::writer::write_atomic(path, |tmp| {
+        std::fs::write(tmp, serde_json::to_string_pretty(&v)? + "\n")?;
+        Ok(())
+    })
+    .with_context(|| format!("writing --plan-out {}", path.display()))
+}

@@ -21,9 +21,8 @@ fn write_json(p: &Path, v: &Value) {
     std::fs::write(p, serde_json::to_string_pretty(v).unwrap()).unwrap();
 }
 
-/// The fixture quantized with a small calibration of its own text, into `dir/name`.
-fn quantize(dir: &Path, name: &str, extra: &[&str]) -> PathBuf {
-    let out = dir.join(name);
+/// `quantize` of the fixture into `out` with a small calibration of its own text, then `extra`.
+fn quantize_run(out: &Path, extra: &[&str]) -> std::process::Output {
     let corpus = format!("{FIXTURE}/corpus/sotu-1790-1999.txt");
     let mut args = vec![
         "quantize",
@@ -41,7 +40,13 @@ fn quantize(dir: &Path, name: &str, extra: &[&str]) -> PathBuf {
         "cpu",
     ];
     args.extend(extra);
-    assert_ok(&run(&args));
+    run(&args)
+}
+
+/// [`quantize_run`] into `dir/name`, which must succeed.
+fn quantize(dir: &Path, name: &str, extra: &[&str]) -> PathBuf {
+    let out = dir.join(name);
+    assert_ok(&quantize_run(&out, extra));
     out
 }
 
@@ -312,28 +317,33 @@ fn mixed_precision_round_trips_and_bad_plans_are_refused() {
     assert_fails(&o, 1, "Marlin packing holds 4-bit codes only");
     assert!(!tmp.path().join("m8").exists());
 
+    // A plan of 16-bit units only (what `sensitivity --upgrade 16` writes): every kept Linear,
+    // fused or not, gets its rule, so SGLang builds it unquantized.
+    write_json(
+        &plan,
+        &serde_json::json!({"dynamic": {"-:model\\.layers\\.1\\.self_attn\\..*": {}}}),
+    );
+    let kept = quantize(tmp.path(), "kept", &["--plan", plan.to_str().unwrap()]);
+    let dynamic = read_json(&kept.join("config.json"))["quantization_config"]["dynamic"].clone();
+    for m in ["(?:q_proj|k_proj|v_proj|qkv_proj)", "o_proj", "z_proj"] {
+        let key = format!("-:model\\.layers\\.1\\.self_attn\\.{m}$");
+        assert!(dynamic.get(&key).is_some(), "{key} in {dynamic}");
+    }
+    assert_ok(&run(&[
+        "inspect",
+        kept.to_str().unwrap(),
+        "--engine",
+        "sglang",
+    ]));
+
     // A resume with another plan is refused (the plan is part of the settings).
     let out = tmp.path().join("resumed");
-    let corpus = format!("{FIXTURE}/corpus/sotu-1790-1999.txt");
-    let base = [
-        "quantize",
-        "--model",
-        FIXTURE,
-        "--out",
-        out.to_str().unwrap(),
-        "--calib",
-        &corpus,
-        "--nsamples",
-        "8",
-        "--seqlen",
-        "128",
-        "--device",
-        "cpu",
-        "--plan",
-        plan.to_str().unwrap(),
-    ];
+    let with_plan = ["--plan", plan.to_str().unwrap()];
     assert_fails(
-        &run(&[&base[..], &["--stop-after-layers", "1"]].concat()),
+        &quantize_run(
+            &out,
+            &[&with_plan[..], &["--stop-after-layers", "1"]].concat(),
+        ),
         1,
         "finished layer(s) are kept",
     );
@@ -341,7 +351,7 @@ fn mixed_precision_round_trips_and_bad_plans_are_refused() {
         &plan,
         &serde_json::json!({"dynamic": {"+:model\\.layers\\.0\\.mlp\\..*": {"bits": 4, "group_size": 64}}}),
     );
-    let o = run(&[&base[..], &["--resume"]].concat());
+    let o = quantize_run(&out, &[&with_plan[..], &["--resume"]].concat());
     assert_fails(&o, 1, "the quantization settings differ");
     assert!(partial_path(&out).exists());
 

@@ -97,24 +97,23 @@ fn tensor_core_xtx_matches_the_f32_accumulator() {
     assert_eq!(cpu.tokens(), dev.tokens());
     let a = cpu.hessian().unwrap();
     let b = dev.hessian().unwrap().to_device(&Device::Cpu).unwrap();
-    let err = (&a - &b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    let scale = a
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    eprintln!("XᵀX GPU vs CPU: max |Δ| / max |H| = {:.3e}", err / scale);
+    let r = rel_max_diff(&a, &b);
+    eprintln!("XᵀX GPU vs CPU: max |Δ| / max |H| = {r:.3e}");
     // BF16 products are exact in f32; only the summation order differs.
-    assert!(err / scale < 1e-5, "relative error {}", err / scale);
+    assert!(r < 1e-5, "relative error {r}");
+}
+
+/// max |a − b| / max |a| of two f32 tensors on the CPU.
+fn rel_max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    let max = |t: &Tensor| {
+        t.abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    };
+    max(&(a - b).unwrap()) / max(a)
 }
 
 /// GPTAQ's cross term on tensor cores (aᵀb with a ≠ b: the operand order matters) against the
@@ -143,23 +142,7 @@ fn gptaq_cross_term_and_solve_match_the_cpu() {
         .unwrap()
         .to_device(&Device::Cpu)
         .unwrap();
-    let rel = |a: &Tensor, b: &Tensor| -> f32 {
-        let e = (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        e / a
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    };
+    let rel = rel_max_diff;
     let r = rel(&dc, &dg);
     eprintln!("GPTAQ cross term GPU vs CPU: max |Δ| / max |D| = {r:.3e}");
     // The difference is rounded to BF16 on the GPU before its product.

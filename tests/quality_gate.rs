@@ -1,14 +1,15 @@
 //! The quality gate on the trained fixture (`examples/tiny-sala`): with the default settings
-//! (group 128, static act-order), GPTQ beats round-to-nearest at 4 bits and at 3 bits on
-//! held-out text: a smaller perplexity increase over the BF16 model, and a mean KL divergence
-//! from the BF16 model's next-token distribution at most 85% of RTN's. Also printed by the CI
-//! artifacts job (`.ci/artifacts.sh`, 4 bits).
+//! (GPTQ, group 128, static act-order, MSE range search), quantization beats round-to-nearest at
+//! 4 bits and at 3 bits on held-out text: a smaller perplexity increase over the BF16 model, and
+//! a mean KL divergence from the BF16 model's next-token distribution at most 75% (4 bits) and
+//! 65% (3 bits) of RTN's; vanilla GPTQ (`--no-mse`) at most 85%; GPTAQ (`--method gptaq`) at
+//! most 75% at 4 bits. Also printed by the CI artifacts job (`.ci/artifacts.sh`, 4 bits).
 //!
-//! The original quality target was a GPTQ perplexity increase of at most 70% of RTN's. On this
-//! 5.6M-parameter model GPTQ reaches about 80% (KL about 78%), consistently over calibration sets
-//! and act-order modes (docs/benchmarks.md): its per-module output error is 10-45% below RTN's, not
-//! the 2-3x of large models, whose inputs have outlier features that this small, isotropic model
-//! lacks. The thresholds below are what the fixture supports with margin, not the 70% target.
+//! Measured on 400 held-out windows (docs/benchmarks.md, Quality on the fixture): default 0.67
+//! and 0.55 of RTN's mean KL at 4 and 3 bits, vanilla GPTQ 0.79 and 0.78, GPTAQ 0.62 and 0.51.
+//! On this 5.6M-parameter model GPTQ's per-module output error is 10-45% below RTN's, not the
+//! 2-3x of large models, whose inputs have outlier features that this small, isotropic model
+//! lacks. The thresholds are what the fixture supports with margin on the 96 windows scored here.
 //!
 //! Run as a user runs it: `quantize` (GPTQ and RTN) then `eval-ppl --compare`, end to end. The
 //! calibration is the fixture's own training text (1790-1999), the evaluation the held-out
@@ -97,21 +98,48 @@ fn compare(dirs: &[PathBuf]) -> Vec<(f64, f64)> {
 fn gptq_beats_rtn_at_4_and_3_bits_on_held_out_text() {
     let tmp = tempfile::tempdir().unwrap();
     let mut dirs = vec![];
+    let variants: [(&str, &[&str]); 3] = [
+        ("default", &[]),
+        // Plain round-to-nearest (min/max ranges), the baseline every ratio is taken against.
+        ("rtn", &["--method", "rtn", "--no-mse"]),
+        ("vanilla", &["--no-mse"]),
+    ];
     for bits in ["4", "3"] {
-        for method in ["gptq", "rtn"] {
-            let out = tmp.path().join(format!("{method}{bits}"));
+        for (name, args) in variants {
+            let out = tmp.path().join(format!("{name}{bits}"));
             // 3-bit MiniCPM-SALA is for evaluation only: SGLang's 3-bit kernels are float16-only.
             let engine = if bits == "3" { "none" } else { "sglang" };
             quantize(
                 &out,
-                &["--bits", bits, "--method", method, "--engine", engine],
+                &[&["--bits", bits, "--engine", engine], args].concat(),
             );
             dirs.push(out);
         }
     }
+    let gptaq = tmp.path().join("gptaq4");
+    quantize(&gptaq, &["--method", "gptaq"]);
+    dirs.push(gptaq);
     let r = compare(&dirs);
-    for (i, bits) in [4, 3].iter().enumerate() {
-        let (gptq, rtn) = (r[2 * i], r[2 * i + 1]);
+    let rtn4 = r[1];
+    eprintln!("4 bits: GPTAQ/RTN mean KL {:.3}", r[6].1 / rtn4.1);
+    assert!(
+        r[6].1 <= 0.75 * rtn4.1,
+        "4-bit GPTAQ's mean KL {:.5} is more than 75% of RTN's {:.5}",
+        r[6].1,
+        rtn4.1
+    );
+    for (i, (bits, bound)) in [(4, 0.75), (3, 0.65)].into_iter().enumerate() {
+        let (gptq, rtn, vanilla) = (r[3 * i], r[3 * i + 1], r[3 * i + 2]);
+        eprintln!(
+            "{bits} bits: vanilla GPTQ/RTN mean KL {:.3}",
+            vanilla.1 / rtn.1
+        );
+        assert!(
+            vanilla.1 <= 0.85 * rtn.1,
+            "{bits}-bit vanilla GPTQ's mean KL {:.5} is more than 85% of RTN's {:.5}",
+            vanilla.1,
+            rtn.1
+        );
         eprintln!(
             "{bits} bits: GPTQ/RTN perplexity increase {:.3}, mean KL {:.3}",
             gptq.0 / rtn.0,
@@ -129,8 +157,8 @@ fn gptq_beats_rtn_at_4_and_3_bits_on_held_out_text() {
             rtn.0
         );
         assert!(
-            gptq.1 <= 0.85 * rtn.1,
-            "{bits}-bit GPTQ's mean KL {:.5} is more than 85% of RTN's {:.5}",
+            gptq.1 <= bound * rtn.1,
+            "{bits}-bit default quantization's mean KL {:.5} is more than {bound} of RTN's {:.5}",
             gptq.1,
             rtn.1
         );

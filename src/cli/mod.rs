@@ -237,9 +237,12 @@ pub struct QuantizeArgs {
     /// Take all Hessians of a layer from the unquantized layer.
     #[arg(long)]
     pub no_true_sequential: bool,
-    /// Search clipping scales by MSE (grid 100, shrink to 0.8).
-    #[arg(long)]
+    /// Search each group's clipping range by MSE (grid 100, shrink to 0.8): the default.
+    #[arg(long, overrides_with = "no_mse")]
     pub mse: bool,
+    /// Plain min/max ranges instead of the MSE search (vanilla GPTQ's quantizer).
+    #[arg(long, overrides_with = "mse")]
+    pub no_mse: bool,
     /// After the solve, refit each row's group scales by least squares under the Hessian
     /// (codes unchanged; docs/algorithm.md, Scale refit).
     #[arg(long)]
@@ -517,7 +520,7 @@ fn run(cli: Cli) -> Result<()> {
                 dtype: compute_dtype(a.dtype, &device),
                 device,
                 true_sequential: !a.no_true_sequential,
-                mse: a.mse,
+                mse: !a.no_mse,
                 refit: a.refit,
                 save_hessians: a.save_hessians.clone(),
                 load_hessians: a.load_hessians.clone(),

@@ -59,6 +59,8 @@ pub struct Plan {
     pub layers: Vec<Vec<PlannedLinear>>,
     /// `--bits` / `--group-size`.
     pub default: Scheme,
+    /// Whether `--plan` rules took part (else only `--skip` did).
+    pub from_rules: bool,
 }
 
 /// The plan a rule list gives a module: the first matching rule (file order), a skip or the
@@ -170,7 +172,11 @@ impl Plan {
             }
             layers.push(mods);
         }
-        Ok(Self { layers, default })
+        Ok(Self {
+            layers,
+            default,
+            from_rules: !rules.is_empty(),
+        })
     }
 
     /// The plan of Linear `m` (relative name) of layer `i`.
@@ -245,13 +251,13 @@ impl Plan {
         out
     }
 
-    /// The output's `dynamic` rules. Without per-module schemes, the `--skip` rules as before
-    /// ([`skip_rules`]). With them, one exact rule per engine module whose plan is not the
+    /// The output's `dynamic` rules. Without `--plan`, the `--skip` rules as before
+    /// ([`skip_rules`]). With it, one exact rule per engine module whose plan is not the
     /// default (`+:` with its bits and group size, or `-:`), matching the engine's (fused) name
     /// and its members' names alike: the rules are disjoint, so their order (which JSON objects
     /// do not keep) cannot matter.
     pub fn dynamic(&self, skip: &[String]) -> Result<Map<String, Value>> {
-        if !self.is_mixed() {
+        if !self.from_rules && !self.is_mixed() {
             return skip_rules(skip, &self.kept_fused());
         }
         let mut out = Map::new();

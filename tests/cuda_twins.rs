@@ -181,6 +181,39 @@ fn gptaq_cross_term_and_solve_match_the_cpu() {
     );
 }
 
+/// The least-squares scale refit on the GPU (its products there, the small solves on the CPU)
+/// against the CPU's: the same rows change and the scales agree to fp16 rounding.
+#[test]
+fn gpu_scale_refit_matches_the_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = SplitMix64::new(21);
+    let (n, k) = (64, 512);
+    let h = correlated_hessian(&mut rng, 4096, k);
+    let w = normal_tensor(&mut rng, n, k, 1.0);
+    let o = opts(4, 128, true, ActOrder::Static);
+    let q = gptq_quantize(&w, &h, &o).unwrap();
+    let (mut qc, mut qg) = (q.clone(), q);
+    let sc = soar_gptq::gptq::refit_scales(&mut qc, &w, &h).unwrap();
+    let sg = soar_gptq::gptq::refit_scales(
+        &mut qg,
+        &w.to_device(&gpu).unwrap(),
+        &h.to_device(&gpu).unwrap(),
+    )
+    .unwrap();
+    eprintln!(
+        "refit: CPU {} rows, error {:.4e} -> {:.4e}; GPU {} rows, {:.4e} -> {:.4e}",
+        sc.rows_changed, sc.before, sc.after, sg.rows_changed, sg.before, sg.after
+    );
+    assert!(sc.after < sc.before && sg.after < sg.before);
+    let differ = qc
+        .scales
+        .iter()
+        .zip(&qg.scales)
+        .filter(|(a, b)| (*a - *b).abs() > 1e-3 * a.abs())
+        .count();
+    assert!(differ * 100 <= qc.scales.len(), "{differ} scales differ");
+}
+
 #[test]
 fn gpu_solve_with_identity_hessian_is_rtn_exactly() {
     let Some(gpu) = gpu() else { return };

@@ -23,12 +23,13 @@
 #   e2e128 / e2e256   synth --preset minicpm-sala-9b, then quantize with 128 (256) x 2048
 #           calibration tokens on the GPU: report with per-stage times and GPU memory
 #   writecmp / packcmp   side by side on the 9.5B: quantize (write stage) and pack-marlin with
-#           this build and with .gpu/soar-old.xz (a build of the previous commit), outputs
-#           compared byte for byte through their manifests
+#           this build (--no-mse, the old default quantizer) and with .gpu/soar-old.xz (a build
+#           of the commit before the parallel writer), outputs compared byte for byte through
+#           their manifests
 #   gptaq   the shipped model with --method gptaq --mse --refit on the GPU and the CPU: codes
 #           compared, both scored against the source on the GPU
-#   e2eq    the 9.5B at 128 x 2048 with the quality options (--mse --refit, then --method gptaq
-#           --mse --refit): stage tables against the default run of the same call (e2e128)
+#   e2eq    the 9.5B at 128 x 2048: the default (MSE search; vanilla GPTQ is writecmp's run),
+#           --method gptaq and --refit, one after the other: their stage tables side by side
 #   serve   the 9.5B output for SGLang: inspect --engine for each engine, pack-marlin and its
 #           legacy-marlin check; config, model card and verdicts come back
 # Logs and reports go to $OUT (default /tmp/gpu-bench).
@@ -194,7 +195,9 @@ json.dump(r,open('$OUT/e2e${n}_report.json','w'),indent=1)
     [ -f $B/config.json ] || timed "$SG" synth --preset minicpm-sala-9b --out $B 2>&1 | tail -2 | tee -a "$OUT/summary.txt"
     for bin in soar-gptq soar-old; do
       rm -rf /tmp/wq-$bin /tmp/wq-$bin.partial
-      timed "$G/$bin" quantize --model $B --out /tmp/wq-$bin --device cuda > /tmp/wq-$bin.txt 2> /tmp/wq-$bin.err
+      # The old build's default quantizer: plain min/max (the MSE search is the default now).
+      flags=""; [ $bin = soar-gptq ] && flags="--no-mse"
+      timed "$G/$bin" quantize --model $B --out /tmp/wq-$bin $flags --device cuda > /tmp/wq-$bin.txt 2> /tmp/wq-$bin.err
       echo "$bin quantize rc $?" | tee -a "$OUT/summary.txt"
       grep -E "wall" /tmp/wq-$bin.err | tee -a "$OUT/summary.txt"
       grep -E "^stages" /tmp/wq-$bin.txt | tee -a "$OUT/summary.txt"
@@ -218,7 +221,7 @@ json.dump(r,open('$OUT/e2e${n}_report.json','w'),indent=1)
     M=examples/tiny-sala
     S=/tmp/gq
     rm -rf $S; mkdir -p $S
-    CAL="--nsamples 32 --seqlen 512 --method gptaq --mse --refit --engine none"
+    CAL="--nsamples 32 --seqlen 512 --method gptaq --refit --engine none"
     timed "$SG" quantize --model $M --out $S/gpu $CAL --device cuda > $S/gpu.txt 2> $S/gpu.err
     echo "gpu rc $?" | tee -a "$OUT/summary.txt"
     "$SG" quantize --model $M --out $S/cpu $CAL --device cpu > $S/cpu.txt 2>&1
@@ -232,7 +235,7 @@ json.dump(r,open('$OUT/e2e${n}_report.json','w'),indent=1)
     log "e2eq"
     B=/tmp/sala9b
     [ -f $B/config.json ] || timed "$SG" synth --preset minicpm-sala-9b --out $B 2>&1 | tail -2 | tee -a "$OUT/summary.txt"
-    for v in "--mse --refit" "--method gptaq --mse --refit"; do
+    for v in "" "--method gptaq" "--refit"; do
       rm -rf /tmp/qq /tmp/qq.partial
       timed "$SG" quantize --model $B --out /tmp/qq $v --device cuda > /tmp/qq.txt 2> /tmp/qq.err
       echo "$v rc $?" | tee -a "$OUT/summary.txt"

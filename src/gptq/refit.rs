@@ -88,7 +88,11 @@ pub fn refit_scales(q: &mut QuantizedLinear, w: &Tensor, h: &Tensor) -> Result<R
     let mut a_cols = Vec::with_capacity(groups);
     for g in 0..groups {
         let (lo, len) = (bounds[g], bounds[g + 1] - bounds[g]);
-        let t = cs.narrow(1, lo, len)?.matmul(&hs.narrow(0, lo, len)?)?;
+        // The GPU's matmul takes contiguous operands only: the column block is copied out.
+        let t = cs
+            .narrow(1, lo, len)?
+            .contiguous()?
+            .matmul(&hs.narrow(0, lo, len)?.contiguous()?)?;
         a_cols.push(group_sums(&(&cs * t)?)?);
     }
     let a = Tensor::stack(&a_cols, 2)?; // [N, G(row), G(col)]

@@ -342,6 +342,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         &opts.device,
         opts.true_sequential,
         opts.method,
+        opts.mse,
     );
     eprintln!("{}", preflight.line());
     // Refused now rather than dying midway: more memory than the device has free, or more disk

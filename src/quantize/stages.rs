@@ -126,6 +126,7 @@ impl Preflight {
         device: &Device,
         true_sequential: bool,
         method: super::Method,
+        mse: bool,
     ) -> Self {
         // GPTAQ runs a second, full-precision stream: its forward, hidden states and layer
         // cache, one more layer's weights, and a cross product per Hessian.
@@ -187,6 +188,14 @@ impl Preflight {
         } else {
             0.0
         };
+        // GPTAQ's correction per Hessian: H_λ⁻¹ = UᵀU and D·H_λ⁻¹, two f32 K³ products.
+        let correction_flops: f64 = if method == super::Method::Gptaq {
+            ks.iter().map(|k| 4.0 * k * k * k).sum()
+        } else {
+            0.0
+        };
+        // The MSE range search: 80 candidate ranges per weight.
+        let mse_evals = if mse { 80.0 * linear_params } else { 0.0 };
         let output_bytes = (linear_params / 2.0) as u64 + embed_head_bytes;
         // Effective rates: measured on an H200 for CUDA (the forward with its attention and
         // Simple-GLA, tensor-core XᵀX, the f64 factorizations, and the CPU-side packing, hashing
@@ -203,10 +212,21 @@ impl Preflight {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
             (0.03 * cores, 0.03 * cores, 0.015 * cores, 0.2)
         };
+        // Measured on an H100 (docs/benchmarks.md): the MSE search at ~1e11 candidate
+        // evaluations per second, GPTAQ's f32 products at ~24 TFLOP/s; per CPU core ~5e7 and
+        // ~0.03 TFLOP/s.
+        let (mse_rate, corr_rate) = if device.is_cuda() {
+            (1e11, 24e12)
+        } else {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+            (5e7 * cores, 0.03e12 * cores)
+        };
         let seconds = forward_flops / (rates.0 * 1e12)
             + hessian_flops / (rates.1 * 1e12)
             + factor_flops / (rates.2 * 1e12)
-            + output_bytes as f64 / (rates.3 * 1e9);
+            + output_bytes as f64 / (rates.3 * 1e9)
+            + mse_evals / mse_rate
+            + correction_flops / corr_rate;
         let solve_bytes = if gptq { max_solve } else { 0 };
         let inter = cfg.intermediate_size as u64;
         let layer_cache_bytes = if true_sequential {
@@ -293,6 +313,7 @@ mod tests {
                 &Device::Cpu,
                 true,
                 crate::quantize::Method::Gptq,
+                false,
             );
             eprintln!("{windows} windows: {}", p.line());
             let rel = (p.peak_bytes as f64 - measured).abs() / measured;

@@ -1,4 +1,4 @@
-//! With the `cuda` feature, compiles `src/kernels/gptq.cu` to PTX with nvcc: a CUDA 12/13
+//! With the `cuda` feature, compiles `src/kernels/gptq.cu` to a fatbin (SASS plus PTX) with nvcc: a CUDA 12/13
 //! toolchain (nvcc) on PATH or under CUDA_HOME, for the compute capability in CUDA_COMPUTE_CAP
 //! (default 90), so no GPU is needed at build time (docs/gpu.md). The default build needs no CUDA
 //! at all and does nothing here.
@@ -14,15 +14,20 @@ fn main() {
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
-    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("gptq.ptx");
+    let out =
+        PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("gptq.fatbin");
     let nvcc = match std::env::var_os("CUDA_HOME") {
         Some(home) => PathBuf::from(home).join("bin").join("nvcc"),
         None => PathBuf::from("nvcc"),
     };
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".to_string());
+    // Machine code for `cap` (loaded with no JIT, docs/gpu.md) and the PTX beside it, which the
+    // driver compiles only on a GPU the SASS does not fit.
     let status = Command::new(&nvcc)
-        .args(["--ptx", "-O3", "-std=c++17"])
-        .arg(format!("-arch=compute_{cap}"))
+        .args(["-fatbin", "-O3", "-std=c++17"])
+        .arg(format!(
+            "-gencode=arch=compute_{cap},code=[sm_{cap},compute_{cap}]"
+        ))
         .arg("-o")
         .arg(&out)
         .arg("src/kernels/gptq.cu")

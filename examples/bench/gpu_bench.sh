@@ -30,6 +30,9 @@
 #           compared, both scored against the source on the GPU
 #   e2eq    the 9.5B at 128 x 2048: the default (MSE search; vanilla GPTQ is writecmp's run),
 #           --method gptaq and --refit, one after the other: their stage tables side by side
+#   jit     the first-use tax: the shipped model quantized on the GPU with the JIT cache off
+#           (CUDA_CACHE_DISABLE=1, so every run pays what a fresh machine pays), twice each with
+#           this build (fatbins: SASS, no JIT) and with .gpu/soar-ptx.xz (a build that embeds PTX)
 #   serve   the 9.5B output for SGLang: inspect --engine for each engine, pack-marlin and its
 #           legacy-marlin check; config, model card and verdicts come back
 # Logs and reports go to $OUT (default /tmp/gpu-bench).
@@ -70,6 +73,18 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,n
 
 for stage in "$@"; do
   case "$stage" in
+  jit)
+    log "jit"
+    for bin in soar-gptq soar-ptx soar-gptq soar-ptx; do
+      [ -x "$G/$bin" ] || { echo "no $bin" | tee -a "$OUT/summary.txt"; continue; }
+      rm -rf /tmp/jit-$bin
+      echo -n "$bin, JIT cache off: " | tee -a "$OUT/summary.txt"
+      CUDA_CACHE_DISABLE=1 timed "$G/$bin" quantize --model examples/tiny-sala --out /tmp/jit-$bin \
+        --device cuda > /dev/null 2> /tmp/jit-$bin.err
+      tail -1 /tmp/jit-$bin.err | tee -a "$OUT/summary.txt"
+    done
+    same_files /tmp/jit-soar-gptq /tmp/jit-soar-ptx "fatbin vs PTX build, shipped model"
+    ;;
   twins)
     log "twins"
     "$G/cuda_twins" --nocapture --test-threads=1 > /tmp/twins.log 2>&1

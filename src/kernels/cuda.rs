@@ -10,8 +10,8 @@
 //!   (cuBLAS `trmm`, `trsm` leaves) — used by the GPU factorization, twin: faer's inverse.
 //! * [`dequant_gptq`], [`dequant_marlin`]: stored codes back to weights — twins: `format/`.
 //!
-//! The kernels themselves are in `gptq.cu`, compiled to PTX by `build.rs` and loaded once per
-//! device through candle's module cache.
+//! The kernels themselves are in `gptq.cu`, compiled by `build.rs` to a fatbin (sm SASS plus PTX)
+//! and loaded once per device ordinal, with no JIT (docs/gpu.md, No JIT on first use).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -22,11 +22,15 @@ use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Storage, Tensor};
 use cudarc::cublas::sys as cublas;
 use cudarc::cusolver::{sys as cusolver, DnHandle};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
 use rayon::prelude::*;
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gptq.ptx"));
-const MODULE: &str = "soar_gptq_kernels";
+/// `gptq.cu` as a fatbin (SASS for the build's compute capability plus its PTX): the driver loads
+/// the machine code as is, with no JIT on first use (docs/gpu.md, No JIT on first use).
+static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/gptq.fatbin"));
 
 /// Rows of X per GemmEx call when accumulating XᵀX; partial sums add in f32 (`beta = 1`).
 const XTX_CHUNK_ROWS: usize = 16384;
@@ -85,10 +89,11 @@ pub fn launch(
     cfg: LaunchConfig,
     args: &[&dyn KernelArg],
 ) -> Result<()> {
-    let f = dev
-        .get_or_load_custom_func(name, MODULE, PTX)
+    let f = kernel_module(dev)?
+        .load_function(name)
         .with_context(|| format!("loading CUDA kernel {name}"))?;
-    let mut b = f.builder();
+    let stream = dev.cuda_stream();
+    let mut b = stream.launch_builder(&f);
     for a in args {
         a.push(&mut b);
     }
@@ -116,6 +121,27 @@ pub fn launch_cfg(grid: (u32, u32, u32), block: (u32, u32, u32)) -> LaunchConfig
         block_dim: block,
         shared_mem_bytes: 0,
     }
+}
+
+/// The module of `gptq.cu`, loaded once per device ordinal (candle's devices share the primary
+/// context of their ordinal).
+fn kernel_module(dev: &CudaDevice) -> Result<Arc<CudaModule>> {
+    static MODULES: OnceLock<Mutex<HashMap<usize, Arc<CudaModule>>>> = OnceLock::new();
+    let stream = dev.cuda_stream();
+    let ordinal = stream.context().ordinal();
+    let mut map = MODULES
+        .get_or_init(Default::default)
+        .lock()
+        .expect("kernel module cache poisoned");
+    if let Some(m) = map.get(&ordinal) {
+        return Ok(m.clone());
+    }
+    let m = stream
+        .context()
+        .load_module(Ptx::from_binary(FATBIN.to_vec()))
+        .context("loading the soar-gptq CUDA kernels (gptq.fatbin)")?;
+    map.insert(ordinal, m.clone());
+    Ok(m)
 }
 
 /// One cuSOLVER handle per device ordinal, on that device's stream.

@@ -400,3 +400,50 @@ fn gpu_marlin_decode_is_bit_exact() {
         assert_eq!(cpu, dev, "sorted rows {sorted}");
     }
 }
+
+/// The fused RMSNorm and RoPE kernels the GPU forward takes (candle's) against the composed forms
+/// the CPU runs (`model/nn.rs`), on the GPU in f32 and BF16, and against the CPU in f32.
+#[test]
+fn fused_norm_and_rope_match_the_composed_forms() {
+    use soar_gptq::model::nn;
+    let Some(dev) = gpu() else { return };
+    let mut rng = SplitMix64::new(21);
+    let x = normal_tensor(&mut rng, 4 * 64 * 8, 128, 1.5)
+        .reshape((4, 64, 8, 128))
+        .unwrap();
+    let w = normal_tensor(&mut rng, 1, 128, 0.5).reshape(128).unwrap();
+    let inv = nn::rope_inv_freq(10000.0, 128);
+    let back = |t: Tensor| {
+        t.to_dtype(DType::F32)
+            .unwrap()
+            .to_device(&Device::Cpu)
+            .unwrap()
+    };
+    for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::BF16, 2e-2)] {
+        let xg = x.to_device(&dev).unwrap().to_dtype(dtype).unwrap();
+        let wg = w.to_device(&dev).unwrap().to_dtype(dtype).unwrap();
+        let fused = back(nn::rms_norm(&xg, &wg, 1e-6).unwrap());
+        let composed = back(nn::rms_norm_composed(&xg, &wg, 1e-6).unwrap());
+        let d = rel_max_diff(&composed, &fused);
+        eprintln!("RMSNorm {dtype:?}: fused vs composed max |Δ| / max = {d:.3e}");
+        assert!(d < tol, "RMSNorm {dtype:?}: {d}");
+        let fused = back(nn::rope(&xg, &inv).unwrap());
+        let composed = back(nn::rope_composed(&xg, &inv).unwrap());
+        let d = rel_max_diff(&composed, &fused);
+        eprintln!("RoPE {dtype:?}: fused vs composed max |Δ| / max = {d:.3e}");
+        assert!(d < tol, "RoPE {dtype:?}: {d}");
+    }
+    // The GPU's f32 kernels against the CPU forward itself.
+    let xg = x.to_device(&dev).unwrap();
+    let wg = w.to_device(&dev).unwrap();
+    let d = rel_max_diff(
+        &nn::rms_norm(&x, &w, 1e-6).unwrap(),
+        &back(nn::rms_norm(&xg, &wg, 1e-6).unwrap()),
+    );
+    assert!(d < 1e-5, "RMSNorm GPU vs CPU: {d}");
+    let d = rel_max_diff(
+        &nn::rope(&x, &inv).unwrap(),
+        &back(nn::rope(&xg, &inv).unwrap()),
+    );
+    assert!(d < 1e-5, "RoPE GPU vs CPU: {d}");
+}

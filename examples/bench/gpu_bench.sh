@@ -33,6 +33,9 @@
 #   jit     the first-use tax: the shipped model quantized on the GPU with the JIT cache off
 #           (CUDA_CACHE_DISABLE=1, so every run pays what a fresh machine pays), twice each with
 #           this build (fatbins: SASS, no JIT) and with .gpu/soar-ptx.xz (a build that embeds PTX)
+#   glacmp  the chunk-parallel Simple-GLA against .gpu/soar-old.xz (a build with the chunk-by-chunk
+#           loop): the shipped model quantized on the GPU by both (codes compared, both scored),
+#           then the 9.5B at 128 x 2048 by both, one after the other: their stage tables
 #   serve   the 9.5B output for SGLang: inspect --engine for each engine, pack-marlin and its
 #           legacy-marlin check; config, model card and verdicts come back
 # Logs and reports go to $OUT (default /tmp/gpu-bench).
@@ -84,6 +87,28 @@ for stage in "$@"; do
       tail -1 /tmp/jit-$bin.err | tee -a "$OUT/summary.txt"
     done
     same_files /tmp/jit-soar-gptq /tmp/jit-soar-ptx "fatbin vs PTX build, shipped model"
+    ;;
+  glacmp)
+    log "glacmp"
+    S=/tmp/glacmp
+    rm -rf $S; mkdir -p $S
+    for bin in soar-old soar-gptq; do
+      "$G/$bin" quantize --model examples/tiny-sala --out $S/tiny-$bin --device cuda > /dev/null 2> $S/tiny-$bin.err
+      echo "tiny $bin rc $?" | tee -a "$OUT/summary.txt"
+    done
+    python3 examples/bench/compare_codes.py $S/tiny-soar-old $S/tiny-soar-gptq | tee -a "$OUT/summary.txt"
+    "$SG" eval-ppl --model examples/tiny-sala --compare $S/tiny-soar-old --compare $S/tiny-soar-gptq \
+      --data default --seqlen 256 --max-windows 64 --device cuda 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+    B=/tmp/sala9b
+    [ -f $B/config.json ] || timed "$SG" synth --preset minicpm-sala-9b --out $B 2>&1 | tail -2 | tee -a "$OUT/summary.txt"
+    for bin in soar-old soar-gptq; do
+      rm -rf /tmp/qg /tmp/qg.partial
+      timed "$G/$bin" quantize --model $B --out /tmp/qg --device cuda > /tmp/qg.txt 2> /tmp/qg.err
+      echo "9.5B $bin rc $?" | tee -a "$OUT/summary.txt"
+      grep -E "preflight|wall" /tmp/qg.err | tee -a "$OUT/summary.txt"
+      grep -E "^stages|GPU memory" /tmp/qg.txt | tee -a "$OUT/summary.txt"
+    done
+    rm -rf /tmp/qg
     ;;
   twins)
     log "twins"

@@ -1,9 +1,11 @@
 //! Simple-GLA (fla `simple_gla` with a fixed per-head log decay), the lightning layers' mixer.
 //!
 //! Per head h with decay γ_h: S_t = γ_h·S_{t−1} + k_tᵀ v_t and o_t = scale · q_t S_t.
-//! Three equal forms: the chunked one used for speed, and the recurrent and O(T²) ones kept as
-//! test oracles. All take `[B, H, T, D]` f32 tensors and an optional incoming state
-//! `[B, H, Dk, Dv]`, and return the output and the final state.
+//! Four equal forms: the chunk-parallel one the model runs (all chunks at once, a handful of
+//! batched matmuls; output only, from a zero state), the chunked one (chunk after chunk, with
+//! states in and out), and the recurrent and O(T²) ones kept as test oracles. All take
+//! `[B, H, T, D]` f32 tensors; all but the first take an optional incoming state `[B, H, Dk, Dv]`
+//! and return the output and the final state.
 
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -86,6 +88,116 @@ pub fn chunked(
         start += m;
     }
     Ok((Tensor::cat(&outs, 2)?, s))
+}
+
+/// Chunk-parallel form of [`chunked`] for whole sequences from a zero state (the chunk form of
+/// fla's `chunk_simple_gla`, with the inter-chunk recurrence written as one matmul): with the
+/// sequence padded to `NC` chunks of `chunk`,
+/// * intra-chunk: `((Q_c K_cᵀ) ⊙ D) V_c` for every chunk at once;
+/// * chunk summaries: `KV_c = (γ^{C−1−j} K_c)ᵀ V_c`;
+/// * carried states: `S_c = Σ_{j<c} γ^{C·(c−1−j)} KV_j`, one `[NC, NC]` × `[NC, Dk·Dv]` product per
+///   head (the closed form of `S_c = γ^C S_{c−1} + KV_{c−1}`);
+/// * inter-chunk: `(γ^{i+1} Q_c) S_c`.
+///
+/// About ten kernels per call instead of a dozen per chunk: on a GPU the chunked loop was bound
+/// by kernel launches, not arithmetic. Padding is exact: padded keys and values are zero and come
+/// after every real position, and their outputs are cut off. Returns the output `[B, H, T, Dv]`.
+pub fn chunk_parallel(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    gammas: &[f64],
+    scale: f64,
+    chunk: usize,
+) -> Result<Tensor> {
+    let (b, heads, t, dk) = q.dims4()?;
+    let dv = v.dim(3)?;
+    let dev = q.device();
+    let nc = t.div_ceil(chunk);
+    let padded = nc * chunk;
+    let split = |x: &Tensor, d: usize| -> Result<Tensor> {
+        let x = if padded == t {
+            x.clone()
+        } else {
+            x.pad_with_zeros(2, 0, padded - t)?
+        };
+        x.reshape((b, heads, nc, chunk, d))
+    };
+    let (qc, kc, vc) = (split(q, dk)?, split(k, dk)?, split(v, dv)?);
+    let (d, q_decay, k_decay, _) = chunk_decays(gammas, heads, chunk, dev)?;
+    // [1, H, C, ·] → [1, H, 1, C, ·]: one set of decays for every chunk. The products run on
+    // [B·H, NC, ·, ·] views (candle's matmul takes at most two batch dimensions), the decays
+    // broadcast on [B, H, NC, ·, ·] ones; both are the same contiguous memory.
+    let (d, q_decay, k_decay) = (
+        d.unsqueeze(2)?,
+        q_decay.unsqueeze(2)?,
+        k_decay.unsqueeze(2)?,
+    );
+    let bh = |x: &Tensor| -> Result<Tensor> {
+        let dims = x.dims();
+        x.reshape((b * heads, nc, dims[3], dims[4]))
+    };
+    let five = |x: &Tensor| -> Result<Tensor> {
+        let dims = x.dims();
+        x.reshape((b, heads, nc, dims[2], dims[3]))
+    };
+    let scores = five(&bh(&qc)?.matmul(&bh(&kc)?.t()?.contiguous()?)?)?.broadcast_mul(&d)?;
+    let intra = bh(&scores)?.matmul(&bh(&vc)?)?;
+    let kv = bh(&kc.broadcast_mul(&k_decay)?)?
+        .t()?
+        .contiguous()?
+        .matmul(&bh(&vc)?)?
+        .reshape((b * heads, nc, dk * dv))?;
+    // The carry weights copied per sequence (B·H·NC² values): a strided batch dimension is not
+    // something every backend's matmul takes.
+    let carry = carry_matrix(gammas, heads, chunk, nc, dev)?
+        .broadcast_as((b, heads, nc, nc))?
+        .contiguous()?
+        .reshape((b * heads, nc, nc))?;
+    let states = carry.matmul(&kv)?.reshape((b * heads, nc, dk, dv))?;
+    let inter = bh(&qc.broadcast_mul(&q_decay)?)?.matmul(&states)?;
+    let o = ((intra + inter)? * scale)?.reshape((b, heads, padded, dv))?;
+    if padded == t {
+        Ok(o)
+    } else {
+        o.narrow(2, 0, t)?.contiguous()
+    }
+}
+
+/// `A[h][c][j] = γ_h^{chunk·(c−1−j)}` for `j < c`, else 0 (`[1, H, NC, NC]`): the weights of the
+/// chunk summaries in the state carried into chunk `c`; built once per (decays, sizes, device).
+fn carry_matrix(
+    gammas: &[f64],
+    heads: usize,
+    chunk: usize,
+    nc: usize,
+    dev: &Device,
+) -> Result<Tensor> {
+    let id: String = gammas
+        .iter()
+        .map(|g| format!("{:x}", g.to_bits()))
+        .collect::<Vec<_>>()
+        .join(",");
+    super::cached_constant(format!("gla-carry-{chunk}-{nc}-{id}"), dev, || {
+        per_head(
+            |h| {
+                let gc = gammas[h].powi(chunk as i32);
+                (0..nc * nc)
+                    .map(|x| {
+                        let (c, j) = (x / nc, x % nc);
+                        if j < c {
+                            gc.powi((c - 1 - j) as i32)
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect()
+            },
+            heads,
+            &[nc, nc],
+            dev,
+        )
+    })
 }
 
 /// The decay tensors of one chunk of length `m`: the intra-chunk mask `D[i][j] = γ^{i−j}`
@@ -214,6 +326,47 @@ pub fn parallel(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rng::SplitMix64;
+
+    fn randn(shape: &[usize], seed: u64) -> Tensor {
+        let n: usize = shape.iter().product();
+        Tensor::from_vec(SplitMix64::new(seed).normals(n), shape, &Device::Cpu).unwrap()
+    }
+
+    fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
+        let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+        let m = b.abs().unwrap().max_all().unwrap();
+        (d.to_scalar::<f32>().unwrap()) / m.to_scalar::<f32>().unwrap().max(1e-30)
+    }
+
+    #[test]
+    fn chunk_parallel_equals_the_recurrent_form() {
+        // Lengths below, at and between chunk multiples (padding), several chunks, decays from
+        // fast (γ ≈ 0.43, whose carried weights underflow) to slow.
+        for (heads, t, chunk) in [
+            (4, 1, 64),
+            (4, 7, 4),
+            (4, 64, 64),
+            (8, 100, 16),
+            (32, 130, 16),
+        ] {
+            let gammas = decays(heads);
+            let (q, k, v) = (
+                randn(&[2, heads, t, 8], 11),
+                randn(&[2, heads, t, 8], 12),
+                randn(&[2, heads, t, 6], 13),
+            );
+            let (or, _) = recurrent(&q, &k, &v, &gammas, 0.3, None).unwrap();
+            let op = chunk_parallel(&q, &k, &v, &gammas, 0.3, chunk).unwrap();
+            let (oc, _) = chunked(&q, &k, &v, &gammas, 0.3, chunk, None).unwrap();
+            assert_eq!(op.dims(), or.dims());
+            assert!(
+                max_rel(&op, &or) < 1e-5,
+                "heads {heads} t {t} chunk {chunk}"
+            );
+            assert!(max_rel(&op, &oc) < 1e-5, "vs chunked: heads {heads} t {t}");
+        }
+    }
 
     #[test]
     fn slopes_match_the_published_table() {

@@ -272,7 +272,7 @@ impl DecoderLayer {
                     repeat_kv(&f32t(&kh)?, n_rep)?,
                     repeat_kv(&f32t(&vh)?, n_rep)?,
                 );
-                let (o, _) = gla::chunked(&qf, &kf, &vf, &c.gammas, c.gla_scale, GLA_CHUNK, None)?;
+                let o = gla::chunk_parallel(&qf, &kf, &vf, &c.gammas, c.gla_scale, GLA_CHUNK)?;
                 let mut o = o
                     .transpose(1, 2)?
                     .reshape((b, t, c.heads * c.head_dim))?

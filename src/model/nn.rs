@@ -89,9 +89,27 @@ impl Linear {
     }
 }
 
+/// RMSNorm. On a GPU, for tensors no gradient flows through, candle's fused kernel
+/// ([`candle_nn::ops::rms_norm`]: one pass, f32 inside, one rounding at the end); elsewhere
+/// [`rms_norm_composed`], the reference's own sequence of operations, which is the CPU twin that
+/// `tests/cuda_twins.rs` compares the kernel with.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    if fused(x) && w.dtype() == x.dtype() && w.rank() == 1 {
+        let x = x.contiguous()?;
+        return candle_nn::ops::rms_norm(&x, w, eps as f32);
+    }
+    rms_norm_composed(x, w, eps)
+}
+
+/// Whether `x` takes the fused GPU kernels: on a CUDA device and not tracked by autograd (the
+/// fused kernels have no backward pass; the fixture's training keeps the composed forms).
+fn fused(x: &Tensor) -> bool {
+    x.device().is_cuda() && !x.track_op()
+}
+
 /// RMSNorm as the reference computes it: variance in f32, cast back to the input dtype, then
 /// multiplied by the weight in the input dtype (no "+1", no mean subtraction).
-pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+pub fn rms_norm_composed(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
     let dtype = x.dtype();
     let xf = x.to_dtype(DType::F32)?;
     let var = xf.sqr()?.mean_keepdim(D::Minus1)?;
@@ -118,13 +136,45 @@ pub fn rope_inv_freq(theta: f64, d: usize) -> Vec<f64> {
 }
 
 /// Rotate-half RoPE on `[B, T, H, D]` for positions 0..T with the given inverse frequencies
-/// (`d/2` of them), computed in f32 and cast back.
+/// (`d/2` of them), computed in f32 and cast back. On a GPU, for tensors no gradient flows
+/// through, the rotation is candle's fused kernel ([`candle_nn::rotary_emb::rope_thd`] in f32);
+/// elsewhere [`rope_composed`], its CPU twin.
 pub fn rope(x: &Tensor, inv_freq: &[f64]) -> candle_core::Result<Tensor> {
     let (_, t, _, d) = x.dims4()?;
-    let half = d / 2;
-    let tag = inv_freq.iter().fold(0xcbf29ce484222325u64, |h, f| {
+    if fused(x) && d % 2 == 0 && d / 2 == inv_freq.len() {
+        let half = d / 2;
+        let table = |f: fn(f64) -> f64| {
+            move || {
+                let mut v = Vec::with_capacity(t * half);
+                for p in 0..t {
+                    for &fr in inv_freq {
+                        v.push(f(p as f64 * fr) as f32);
+                    }
+                }
+                Tensor::from_vec(v, (t, half), x.device())
+            }
+        };
+        let key = |name: &str| format!("rope-half-{name}-{t}-{d}-{:016x}", freq_tag(inv_freq));
+        let cos = super::cached_constant(key("cos"), x.device(), table(f64::cos))?;
+        let sin = super::cached_constant(key("sin"), x.device(), table(f64::sin))?;
+        let xf = x.to_dtype(DType::F32)?.contiguous()?;
+        return candle_nn::rotary_emb::rope_thd(&xf, &cos, &sin)?.to_dtype(x.dtype());
+    }
+    rope_composed(x, inv_freq)
+}
+
+/// A hash of RoPE frequencies, for the cache keys of their tables.
+fn freq_tag(inv_freq: &[f64]) -> u64 {
+    inv_freq.iter().fold(0xcbf29ce484222325u64, |h, f| {
         (h ^ f.to_bits()).wrapping_mul(0x100000001b3)
-    });
+    })
+}
+
+/// Rotate-half RoPE on `[B, T, H, D]` as [`rope`], computed in f32 and cast back.
+pub fn rope_composed(x: &Tensor, inv_freq: &[f64]) -> candle_core::Result<Tensor> {
+    let (_, t, _, d) = x.dims4()?;
+    let half = d / 2;
+    let tag = freq_tag(inv_freq);
     let table = |f: fn(f64) -> f64| {
         move || {
             let mut v = Vec::with_capacity(t * d);

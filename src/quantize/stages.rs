@@ -197,11 +197,12 @@ impl Preflight {
         // The MSE range search: 80 candidate ranges per weight.
         let mse_evals = if mse { 80.0 * linear_params } else { 0.0 };
         let output_bytes = (linear_params / 2.0) as u64 + embed_head_bytes;
-        // Effective rates: measured on an H200 for CUDA (the forward with its attention and
-        // Simple-GLA, tensor-core XᵀX, the f64 factorizations, and the CPU-side packing, hashing
-        // and writing); rough per-core figures on the CPU.
+        // Effective rates: measured on an H200 for CUDA (tensor-core XᵀX, the f64
+        // factorizations, and the CPU-side packing, hashing and writing; the BF16 forward with
+        // its attention and chunk-parallel Simple-GLA on an H100: 4.65e15 FLOP in 19.7-20.6 s,
+        // docs/benchmarks.md); rough per-core figures on the CPU.
         let rates = if device.is_cuda() {
-            let fwd = if dtype == DType::F32 { 30.0 } else { 110.0 };
+            let fwd = if dtype == DType::F32 { 30.0 } else { 230.0 };
             (
                 fwd,
                 if dtype == DType::F32 { 40.0 } else { 650.0 },

@@ -126,41 +126,47 @@ pub fn launch_cfg(grid: (u32, u32, u32), block: (u32, u32, u32)) -> LaunchConfig
 /// The module of `gptq.cu`, loaded once per device ordinal (candle's devices share the primary
 /// context of their ordinal).
 fn kernel_module(dev: &CudaDevice) -> Result<Arc<CudaModule>> {
-    static MODULES: OnceLock<Mutex<HashMap<usize, Arc<CudaModule>>>> = OnceLock::new();
-    let stream = dev.cuda_stream();
-    let ordinal = stream.context().ordinal();
-    let mut map = MODULES
-        .get_or_init(Default::default)
-        .lock()
-        .expect("kernel module cache poisoned");
-    if let Some(m) = map.get(&ordinal) {
-        return Ok(m.clone());
-    }
-    let m = stream
-        .context()
-        .load_module(Ptx::from_binary(FATBIN.to_vec()))
-        .context("loading the soar-gptq CUDA kernels (gptq.fatbin)")?;
-    map.insert(ordinal, m.clone());
-    Ok(m)
+    static MODULES: PerOrdinal<Arc<CudaModule>> = OnceLock::new();
+    per_ordinal(&MODULES, dev, |stream| {
+        stream
+            .context()
+            .load_module(Ptx::from_binary(FATBIN.to_vec()))
+            .context("loading the soar-gptq CUDA kernels (gptq.fatbin)")
+    })
 }
 
 /// One cuSOLVER handle per device ordinal, on that device's stream.
 pub fn solver_handle(dev: &CudaDevice) -> Result<Arc<DnHandle>> {
-    static HANDLES: OnceLock<Mutex<HashMap<usize, Arc<DnHandle>>>> = OnceLock::new();
-    let ordinal = dev.cuda_stream().context().ordinal();
-    let mut map = HANDLES
+    static HANDLES: PerOrdinal<Arc<DnHandle>> = OnceLock::new();
+    per_ordinal(&HANDLES, dev, |stream| {
+        Ok(Arc::new(DnHandle::new(stream.clone()).map_err(|e| {
+            anyhow!("creating a cuSOLVER handle: {e:?}")
+        })?))
+    })
+}
+
+/// A cache of one value per device ordinal.
+type PerOrdinal<T> = OnceLock<Mutex<HashMap<usize, T>>>;
+
+/// The value `cache` holds for `dev`'s ordinal, made by `make` (with the device's stream) on
+/// first use.
+fn per_ordinal<T: Clone>(
+    cache: &PerOrdinal<T>,
+    dev: &CudaDevice,
+    make: impl FnOnce(&Arc<CudaStream>) -> Result<T>,
+) -> Result<T> {
+    let stream = dev.cuda_stream();
+    let ordinal = stream.context().ordinal();
+    let mut map = cache
         .get_or_init(Default::default)
         .lock()
-        .expect("cusolver handle cache poisoned");
-    if let Some(h) = map.get(&ordinal) {
-        return Ok(h.clone());
+        .expect("per-device cache poisoned");
+    if let Some(v) = map.get(&ordinal) {
+        return Ok(v.clone());
     }
-    let h = Arc::new(
-        DnHandle::new(dev.cuda_stream())
-            .map_err(|e| anyhow!("creating a cuSOLVER handle: {e:?}"))?,
-    );
-    map.insert(ordinal, h.clone());
-    Ok(h)
+    let v = make(&stream)?;
+    map.insert(ordinal, v.clone());
+    Ok(v)
 }
 
 pub fn cublas_ok(s: cublas::cublasStatus_t, what: &str) -> Result<()> {

@@ -173,11 +173,7 @@ fn carry_matrix(
     nc: usize,
     dev: &Device,
 ) -> Result<Tensor> {
-    let id: String = gammas
-        .iter()
-        .map(|g| format!("{:x}", g.to_bits()))
-        .collect::<Vec<_>>()
-        .join(",");
+    let id = decays_key(gammas);
     super::cached_constant(format!("gla-carry-{chunk}-{nc}-{id}"), dev, || {
         per_head(
             |h| {
@@ -200,6 +196,15 @@ fn carry_matrix(
     })
 }
 
+/// The decays as exact bits, for the cache keys of the tensors built from them.
+fn decays_key(gammas: &[f64]) -> String {
+    gammas
+        .iter()
+        .map(|g| format!("{:x}", g.to_bits()))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// The decay tensors of one chunk of length `m`: the intra-chunk mask `D[i][j] = γ^{i−j}`
 /// (`j ≤ i`), the query decays `γ^{i+1}`, the key decays `γ^{m−1−j}` and `γ^m`; built once
 /// per (decays, m, device).
@@ -209,11 +214,7 @@ fn chunk_decays(
     m: usize,
     dev: &Device,
 ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
-    let id: String = gammas
-        .iter()
-        .map(|g| format!("{:x}", g.to_bits()))
-        .collect::<Vec<_>>()
-        .join(",");
+    let id = decays_key(gammas);
     let key = |what: &str| format!("gla-{what}-{m}-{id}");
     let d = super::cached_constant(key("d"), dev, || {
         per_head(

@@ -199,28 +199,21 @@ impl Preflight {
         let output_bytes = (linear_params / 2.0) as u64 + embed_head_bytes;
         // Effective rates: measured on an H200 for CUDA (tensor-core XᵀX, the f64
         // factorizations, and the CPU-side packing, hashing and writing; the BF16 forward with
-        // its attention and chunk-parallel Simple-GLA on an H100: 4.65e15 FLOP in 19.7-20.6 s,
-        // docs/benchmarks.md); rough per-core figures on the CPU.
-        let rates = if device.is_cuda() {
+        // its attention and chunk-parallel Simple-GLA on an H100: 4.65e15 FLOP in 19.7-20.6 s;
+        // on an H100 too the MSE search at ~1e11 candidate evaluations per second and GPTAQ's
+        // f32 products at ~24 TFLOP/s; docs/benchmarks.md); rough per-core figures on the CPU
+        // (~5e7 MSE evaluations/s and ~0.03 TFLOP/s per core).
+        let (rates, mse_rate, corr_rate) = if device.is_cuda() {
             let fwd = if dtype == DType::F32 { 30.0 } else { 230.0 };
+            let xtx = if dtype == DType::F32 { 40.0 } else { 650.0 };
+            ((fwd, xtx, 17.0, 0.2), 1e11, 24e12)
+        } else {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
             (
-                fwd,
-                if dtype == DType::F32 { 40.0 } else { 650.0 },
-                17.0,
-                0.2,
+                (0.03 * cores, 0.03 * cores, 0.015 * cores, 0.2),
+                5e7 * cores,
+                0.03e12 * cores,
             )
-        } else {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-            (0.03 * cores, 0.03 * cores, 0.015 * cores, 0.2)
-        };
-        // Measured on an H100 (docs/benchmarks.md): the MSE search at ~1e11 candidate
-        // evaluations per second, GPTAQ's f32 products at ~24 TFLOP/s; per CPU core ~5e7 and
-        // ~0.03 TFLOP/s.
-        let (mse_rate, corr_rate) = if device.is_cuda() {
-            (1e11, 24e12)
-        } else {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-            (5e7 * cores, 0.03e12 * cores)
         };
         let seconds = forward_flops / (rates.0 * 1e12)
             + hessian_flops / (rates.1 * 1e12)

@@ -36,6 +36,10 @@
 #   glacmp  the chunk-parallel Simple-GLA against .gpu/soar-old.xz (a build with the chunk-by-chunk
 #           loop): the shipped model quantized on the GPU by both (codes compared, both scored),
 #           then the 9.5B at 128 x 2048 by both, one after the other: their stage tables
+#   basecmp this build against .gpu/soar-base.xz (the previous commit's build): the shipped model
+#           on the GPU by both and on the CPU (codes compared, scored), two GPU runs and a
+#           stopped-and-resumed GPU run compared byte for byte, then the 9.5B at 128 x 2048 by
+#           both, one after the other: their stage tables
 #   serve   the 9.5B output for SGLang: inspect --engine for each engine, pack-marlin and its
 #           legacy-marlin check; config, model card and verdicts come back
 # Logs and reports go to $OUT (default /tmp/gpu-bench).
@@ -107,6 +111,43 @@ for stage in "$@"; do
       echo "9.5B $bin rc $?" | tee -a "$OUT/summary.txt"
       grep -E "preflight|wall" /tmp/qg.err | tee -a "$OUT/summary.txt"
       grep -E "^stages|GPU memory" /tmp/qg.txt | tee -a "$OUT/summary.txt"
+    done
+    rm -rf /tmp/qg
+    ;;
+  basecmp)
+    # This build against .gpu/soar-base.xz (the previous commit's build), as glacmp; and a
+    # resumed GPU run against an uninterrupted one (the layers it replays are decoded from the
+    # journal, the others from the solve's codes).
+    log "basecmp"
+    S=/tmp/basecmp
+    rm -rf $S; mkdir -p $S
+    for bin in soar-base soar-gptq; do
+      "$G/$bin" quantize --model examples/tiny-sala --out $S/tiny-$bin --device cuda > /dev/null 2> $S/tiny-$bin.err
+      echo "tiny $bin rc $?" | tee -a "$OUT/summary.txt"
+    done
+    python3 examples/bench/compare_codes.py $S/tiny-soar-base $S/tiny-soar-gptq | tee -a "$OUT/summary.txt"
+    "$SG" quantize --model examples/tiny-sala --out $S/tiny-cpu --device cpu > /dev/null 2> $S/tiny-cpu.err
+    python3 examples/bench/compare_codes.py $S/tiny-cpu $S/tiny-soar-gptq | tee -a "$OUT/summary.txt"
+    "$SG" quantize --model examples/tiny-sala --out $S/tiny-gpu2 --device cuda > /dev/null 2>&1
+    same_files $S/tiny-soar-gptq $S/tiny-gpu2 "two GPU runs, shipped model"
+    "$SG" quantize --model examples/tiny-sala --out $S/tiny-res --device cuda --stop-after-layers 2 > /dev/null 2>&1
+    "$SG" quantize --model examples/tiny-sala --out $S/tiny-res --device cuda --resume > /dev/null 2> $S/tiny-res.err
+    echo "resume rc $?" | tee -a "$OUT/summary.txt"
+    same_files $S/tiny-soar-gptq $S/tiny-res "GPU: stopped after 2 layers and resumed vs uninterrupted"
+    "$SG" eval-ppl --model examples/tiny-sala --compare $S/tiny-soar-base --compare $S/tiny-soar-gptq \
+      --compare $S/tiny-cpu --data default --seqlen 256 --max-windows 64 --device cuda 2>&1 | tail -4 | tee -a "$OUT/summary.txt"
+    B=/tmp/sala9b
+    [ -f $B/config.json ] || timed "$SG" synth --preset minicpm-sala-9b --out $B 2>&1 | tail -2 | tee -a "$OUT/summary.txt"
+    # BASE9B=0: the 9.5B with this build only (the previous build's figures taken earlier).
+    bins="soar-base soar-gptq"
+    [ "${BASE9B:-1}" = 0 ] && bins=soar-gptq
+    for bin in $bins; do
+      rm -rf /tmp/qg /tmp/qg.partial
+      timed "$G/$bin" quantize --model $B --out /tmp/qg --device cuda > /tmp/qg.txt 2> /tmp/qg.err
+      echo "9.5B $bin rc $?" | tee -a "$OUT/summary.txt"
+      grep -E "preflight|wall" /tmp/qg.err | tee -a "$OUT/summary.txt"
+      grep -E "^stages|GPU memory" /tmp/qg.txt | tee -a "$OUT/summary.txt"
+      grep -E "down_proj" /tmp/qg.err | tail -1 | tee -a "$OUT/summary.txt"
     done
     rm -rf /tmp/qg
     ;;

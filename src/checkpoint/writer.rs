@@ -91,10 +91,13 @@ fn shard_name(i: usize, n: usize) -> String {
 
 /// Writes one shard: the header, then each tensor's bytes as `next` hands them over in `group`
 /// order (`next(ti, w)` writes tensor `ti` into `w`), hashing as it goes; synced before it
-/// returns.
+/// returns. With `sync_every`, the data written so far is also synced whenever that many bytes
+/// have been added since the last sync, so a shard written over a long run leaves little for the
+/// final sync.
 fn write_shard(
     path: &Path,
     group: &[&TensorSpec],
+    sync_every: Option<u64>,
     mut next: impl FnMut(usize, &mut dyn Write) -> Result<()>,
 ) -> Result<HashedFile> {
     let f =
@@ -109,6 +112,7 @@ fn write_shard(
         .with_context(|| format!("cannot write {}", path.display()))?;
     crate::fault::write_point("a shard's header written")
         .with_context(|| format!("cannot write {} (disk full?)", path.display()))?;
+    let mut synced = 0u64;
     for (ti, spec) in group.iter().enumerate() {
         let before = w.written;
         next(ti, &mut w)
@@ -124,6 +128,15 @@ fn write_shard(
         if ti == group.len() / 2 {
             crate::fault::write_point("half a shard written")
                 .with_context(|| format!("cannot write {} (disk full?)", path.display()))?;
+        }
+        if let Some(every) = sync_every {
+            if w.written - synced >= every {
+                w.inner
+                    .flush()
+                    .and_then(|()| w.inner.get_ref().sync_data())
+                    .with_context(|| format!("cannot write {} (disk full?)", path.display()))?;
+                synced = w.written;
+            }
         }
     }
     let (hash, size) = (w.hash, w.written);
@@ -166,13 +179,29 @@ pub fn write_sharded(
     dir: &Path,
     specs: &[TensorSpec],
     max_shard_bytes: u64,
+    fill: impl FnMut(&TensorSpec, &mut dyn Write) -> Result<()>,
+) -> Result<Vec<HashedFile>> {
+    write_sharded_synced(dir, specs, max_shard_bytes, None, fill)
+}
+
+/// [`write_sharded`], syncing each shard whenever `sync_every` more bytes were written (see
+/// [`write_shard`]): for a writer that runs beside the computation that produces its tensors
+/// (quantize streams its shards while the layers are solved), so that the data reaches the disk
+/// during the run and the final sync is short.
+pub fn write_sharded_synced(
+    dir: &Path,
+    specs: &[TensorSpec],
+    max_shard_bytes: u64,
+    sync_every: Option<u64>,
     mut fill: impl FnMut(&TensorSpec, &mut dyn Write) -> Result<()>,
 ) -> Result<Vec<HashedFile>> {
     let groups = shard_groups(specs, max_shard_bytes);
     let mut files = vec![];
     for (i, group) in groups.iter().enumerate() {
         let path = dir.join(shard_name(i, groups.len()));
-        files.push(write_shard(&path, group, |ti, w| fill(group[ti], w))?);
+        files.push(write_shard(&path, group, sync_every, |ti, w| {
+            fill(group[ti], w)
+        })?);
     }
     write_index(dir, &groups)?;
     Ok(files)
@@ -201,7 +230,7 @@ pub fn write_sharded_parallel<'a>(
             let mut ready: std::collections::VecDeque<std::borrow::Cow<'a, [u8]>> =
                 Default::default();
             let mut next_window = 0usize;
-            write_shard(&path, group, |ti, w| {
+            write_shard(&path, group, None, |ti, w| {
                 if ti == next_window {
                     let mut end = ti;
                     let mut bytes = 0u64;

@@ -170,6 +170,13 @@ fn inverse_cholesky_upper(
 /// The GPTQ solve of `w` `[N, K]` on its CUDA device with the factorization `f` (U = `u`, on
 /// the same device) and the plan both backends follow. Codes, scales and zeros come back to the
 /// host.
+/// `find_params_tiled`'s block: rows per block, the most columns a group may have, and the
+/// threads that share a row's MSE candidates (gptq.cu `FP_TILE_ROWS`, `FP_TILE_COLS`, at most
+/// `FP_MAX_PARTS`).
+const FIND_PARAMS_TILE_ROWS: usize = 64;
+const FIND_PARAMS_TILE_COLS: usize = 128;
+const FIND_PARAMS_PARTS: usize = 4;
+
 pub(super) fn solve(
     w: &Tensor,
     f: &Factorization,
@@ -210,10 +217,28 @@ pub(super) fn solve(
                   zeros: &mut CudaSlice<f32>|
      -> Result<()> {
         let (sp, zp) = (slice_ptr(scales, &stream), slice_ptr(zeros, &stream));
+        // Groups of up to 128 columns go through the shared-memory kernel (same arithmetic in
+        // the same order, so the same bits; the MSE search's 80 passes over each group were
+        // bound by uncoalesced loads); a whole-row group through the plain one.
+        // With the search on, FIND_PARAMS_PARTS threads share each row's candidates.
+        let tiled = g <= FIND_PARAMS_TILE_COLS;
+        let (name, rows_per_block, threads) = if tiled {
+            let parts = if quant.mse { FIND_PARAMS_PARTS } else { 1 };
+            (
+                "find_params_tiled",
+                FIND_PARAMS_TILE_ROWS,
+                FIND_PARAMS_TILE_ROWS * parts,
+            )
+        } else {
+            ("find_params", 128, 128)
+        };
         launch(
             dev,
-            "find_params",
-            launch_cfg((blocks(n, 128), groups as u32, 1), (128, 1, 1)),
+            name,
+            launch_cfg(
+                (blocks(n, rows_per_block), groups as u32, 1),
+                (threads as u32, 1, 1),
+            ),
             &[
                 &src,
                 &(k as i32),
@@ -369,6 +394,7 @@ pub(super) fn solve(
         ("lazy-update GEMMs", update_s),
     ]);
     let codes = codes_to_host(&stream, &ordered)?;
+    let device_codes = wrap(ordered, dev, &[n, k]);
     let scales = stream.clone_dtoh(&scales)?;
     let zeros = stream.clone_dtoh(&zeros)?;
     let loss_rows = stream.clone_dtoh(&loss)?;
@@ -390,5 +416,6 @@ pub(super) fn solve(
         damp_used,
         dead_columns: dead.len(),
         timings: SolveTimings { factor_s, loop_s },
+        device_codes: Some(device_codes),
     })
 }

@@ -24,13 +24,30 @@ const META_MODULES: &str = "modules";
 /// Accumulates `Σ xᵀx` (f32, `[K, K]`, on one device) over batches of a Linear's inputs; for
 /// GPTAQ also the cross sum `Σ (x_fp − x)ᵀ x` of the full-precision model's inputs against them
 /// (docs/algorithm.md, GPTAQ).
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct HessianAccumulator {
     xtx: Tensor,
+    /// Whether `xtx` holds only the blocks on and above the diagonal (the GPU's in-place
+    /// accumulation; [`full_xtx`](Self::full_xtx) mirrors the rest).
+    upper_blocks: bool,
     /// `Σ_t (x_fp − x)[t, a] · x[t, b]` at `[a, b]`, once [`add_pair`](Self::add_pair) fed it.
     cross: Option<Tensor>,
     tokens: u64,
     modules: Vec<String>,
+}
+
+/// A deep copy: the GPU accumulates into `xtx`'s storage in place, so two accumulators never
+/// share it.
+impl Clone for HessianAccumulator {
+    fn clone(&self) -> Self {
+        Self {
+            xtx: self.xtx.copy().expect("copying a [K, K] accumulator"),
+            upper_blocks: self.upper_blocks,
+            cross: self.cross.clone(),
+            tokens: self.tokens,
+            modules: self.modules.clone(),
+        }
+    }
 }
 
 impl HessianAccumulator {
@@ -38,6 +55,7 @@ impl HessianAccumulator {
     pub fn new(k: usize, device: &Device) -> Result<Self> {
         Ok(Self {
             xtx: Tensor::zeros((k, k), DType::F32, device)?,
+            upper_blocks: false,
             cross: None,
             tokens: 0,
             modules: Vec::new(),
@@ -106,7 +124,9 @@ impl HessianAccumulator {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() && matches!(x.dtype(), DType::BF16 | DType::F16) {
             // Tensor cores with f32 accumulation (docs/decisions.md, Precision).
-            self.xtx = crate::kernels::cuda::xtx_add(&self.xtx, &x)?;
+            // Only the blocks on and above the diagonal, in place (`full_xtx` mirrors them).
+            crate::kernels::cuda::xtx_add_upper(&self.xtx, &x)?;
+            self.upper_blocks = true;
             self.tokens += rows as u64;
             return Ok(());
         }
@@ -192,7 +212,8 @@ impl HessianAccumulator {
         if self.cross.is_some() != other.cross.is_some() {
             bail!("cannot merge a GPTAQ accumulator (with a cross term) with a GPTQ one");
         }
-        self.xtx = (&self.xtx + other.xtx.to_device(self.xtx.device())?)?;
+        self.xtx = (self.full_xtx()? + other.full_xtx()?.to_device(self.xtx.device())?)?;
+        self.upper_blocks = false;
         if let (Some(a), Some(b)) = (&self.cross, &other.cross) {
             self.cross = Some((a + b.to_device(self.xtx.device())?)?);
         }
@@ -214,14 +235,24 @@ impl HessianAccumulator {
                 self.describe_modules()
             );
         }
-        Ok(self.xtx.affine(2.0 / self.tokens as f64, 0.0)?)
+        Ok(self.full_xtx()?.affine(2.0 / self.tokens as f64, 0.0)?)
+    }
+
+    /// `Σ x xᵀ` in full: on a GPU the accumulation fills only the blocks on and above the
+    /// diagonal, and the ones below are mirrored here.
+    fn full_xtx(&self) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.upper_blocks {
+            return crate::kernels::cuda::mirror_upper_blocks(&self.xtx);
+        }
+        Ok(self.xtx.clone())
     }
 
     /// Writes the raw sum as safetensors (`xtx` f32 `[K, K]`; metadata `tokens` and `modules` as a
     /// JSON array). Written to a side file and renamed, so an interrupted run leaves no torn file.
     pub fn save(&self, path: &Path) -> Result<()> {
         let k = self.k();
-        let values = self.xtx.flatten_all()?.to_vec1::<f32>()?;
+        let values = self.full_xtx()?.flatten_all()?.to_vec1::<f32>()?;
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         let view =
             safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![k, k], &bytes)?;
@@ -292,6 +323,7 @@ impl HessianAccumulator {
             Tensor::from_raw_buffer(data, DType::F32, &[k, k], &Device::Cpu)?.to_device(device)?;
         Ok(Self {
             xtx,
+            upper_blocks: false,
             cross: None,
             tokens,
             modules,

@@ -97,6 +97,9 @@ pub struct QuantizedLinear {
     /// Input columns whose diag(H) was 0; their weights were quantized as 0.
     pub dead_columns: usize,
     pub timings: SolveTimings,
+    /// `codes` as a `[N, K]` U8 tensor still on the device that solved them (the GPU solve), so
+    /// the weights can be decoded there without uploading the codes again; `None` otherwise.
+    pub device_codes: Option<Tensor>,
 }
 
 impl QuantizedLinear {
@@ -390,6 +393,7 @@ pub fn rtn_quantize(w: &Tensor, opts: &SolveOptions) -> Result<QuantizedLinear> 
         damp_used: 0.0,
         dead_columns: 0,
         timings: SolveTimings::default(),
+        device_codes: None,
     })
 }
 
@@ -541,6 +545,7 @@ fn solve_factored(
         damp_used,
         dead_columns: f.dead.len(),
         timings: SolveTimings { factor_s, loop_s },
+        device_codes: None,
     };
     Ok((linear, w, plan.perm))
 }

@@ -5,10 +5,14 @@
 //!
 //! * [`xtx_add`]: `Σ xᵀx` with BF16/F16 inputs on tensor cores and f32 accumulation (one cuBLAS
 //!   `GemmEx` per 16 K rows, `beta = 1` across them) — twin: the f32 matmul of
-//!   [`HessianAccumulator`](crate::gptq::HessianAccumulator).
+//!   [`HessianAccumulator`](crate::gptq::HessianAccumulator); [`xtx_add_upper`] the same in
+//!   place on the blocks on and above the diagonal only, [`mirror_upper_blocks`] the rest.
 //! * [`lower_inverse`]: the inverse of a lower-triangular f64 matrix by recursive blocking
 //!   (cuBLAS `trmm`, `trsm` leaves) — used by the GPU factorization, twin: faer's inverse.
 //! * [`dequant_gptq`], [`dequant_marlin`]: stored codes back to weights — twins: `format/`.
+//! * [`flash_attention_causal`]: dense causal GQA attention of the sparse layers, fused
+//!   (flash-style, BF16 tensor cores, f32 softmax) — twin: the composed f32 attention,
+//!   `model::minicpm_sala::sparse_attention_composed`.
 //!
 //! The kernels themselves are in `gptq.cu`, compiled by `build.rs` to a fatbin (sm SASS plus PTX)
 //! and loaded once per device ordinal, with no JIT (docs/gpu.md, No JIT on first use).
@@ -251,6 +255,96 @@ pub fn atb_add(acc: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     Ok(out)
 }
 
+/// Column blocks of [`xtx_add_upper`]: products of 2048 × 2048 outputs still fill the GPU (256
+/// tiles), and K = 4096 then takes 3 of 4 block products, K = 16384 36 of 64.
+pub const XTX_UPPER_BLOCK: usize = 2048;
+
+/// `xtx += xᵀx` in place for `x` `[rows, K]` in BF16 or F16, computing only the blocks on and
+/// above the diagonal (blocks of [`XTX_UPPER_BLOCK`] columns; one GemmEx per block pair and
+/// `XTX_CHUNK_ROWS` rows, f32 accumulation, `beta = 1`): XᵀX is symmetric, so the blocks below
+/// are copies, made once by [`mirror_upper_blocks`] when the Hessian is read. Writes into
+/// `xtx`'s storage: the caller must hold the tensor's only reference (the accumulator does).
+pub fn xtx_add_upper(xtx: &Tensor, x: &Tensor) -> Result<()> {
+    let dev = cuda(x.device())?;
+    let (rows, k) = x.dims2()?;
+    ensure!(
+        xtx.dims() == [k, k] && xtx.dtype() == DType::F32 && xtx.is_contiguous(),
+        "internal: XᵀX accumulator must be contiguous f32 [{k}, {k}]"
+    );
+    let in_type = match x.dtype() {
+        DType::BF16 => cublas::cudaDataType_t::CUDA_R_16BF,
+        DType::F16 => cublas::cudaDataType_t::CUDA_R_16F,
+        other => bail!("internal: tensor-core XᵀX takes BF16 or F16 inputs, got {other:?}"),
+    };
+    let x = x.contiguous()?;
+    let blas = dev.cublas_handle();
+    let (xp, op) = (tensor_ptr(&x)?, tensor_ptr(xtx)?);
+    let elem = x.dtype().size_in_bytes() as u64;
+    let bs = if k >= 2 * XTX_UPPER_BLOCK {
+        XTX_UPPER_BLOCK
+    } else {
+        k
+    };
+    let blocks: Vec<(usize, usize)> = (0..k).step_by(bs).map(|s| (s, bs.min(k - s))).collect();
+    let (alpha, beta) = (1.0f32, 1.0f32);
+    let mut start = 0;
+    while start < rows {
+        let len = XTX_CHUNK_ROWS.min(rows - start);
+        let base = xp + (start * k) as u64 * elem;
+        for (bi, &(i0, ni)) in blocks.iter().enumerate() {
+            for &(j0, nj) in &blocks[bi..] {
+                // Row-major x [len, K] is column-major Xᶜ [K, len]; the row-major block
+                // C[i0.., j0..] (i block ≤ j block) is the column-major block at rows j0..,
+                // columns i0.. (ldc = K): Xᶜ[j0.., :] · Xᶜ[i0.., :]ᵀ.
+                let status = unsafe {
+                    cublas::cublasGemmEx(
+                        *blas.handle(),
+                        cublas::cublasOperation_t::CUBLAS_OP_N,
+                        cublas::cublasOperation_t::CUBLAS_OP_T,
+                        nj as i32,
+                        ni as i32,
+                        len as i32,
+                        &alpha as *const f32 as *const _,
+                        (base + j0 as u64 * elem) as *const _,
+                        in_type,
+                        k as i32,
+                        (base + i0 as u64 * elem) as *const _,
+                        in_type,
+                        k as i32,
+                        &beta as *const f32 as *const _,
+                        (op + ((i0 * k + j0) * 4) as u64) as *mut _,
+                        cublas::cudaDataType_t::CUDA_R_32F,
+                        k as i32,
+                        cublas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        cublas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                };
+                cublas_ok(status, "GemmEx (XᵀX block)")?;
+            }
+        }
+        start += len;
+    }
+    Ok(())
+}
+
+/// A copy of `[K, K]` f32 `h` (accumulated by [`xtx_add_upper`]) with each block below the
+/// diagonal set from its mirror above it: the full symmetric matrix.
+pub fn mirror_upper_blocks(h: &Tensor) -> Result<Tensor> {
+    let dev = cuda(h.device())?;
+    let k = h.dim(0)?;
+    let out = h.contiguous()?.copy()?;
+    if k < 2 * XTX_UPPER_BLOCK {
+        return Ok(out);
+    }
+    launch(
+        dev,
+        "mirror_upper_blocks",
+        launch_cfg((blocks(k, 256), k as u32, 1), (256, 1, 1)),
+        &[&tensor_ptr(&out)?, &(k as i32), &(XTX_UPPER_BLOCK as i32)],
+    )?;
+    Ok(out)
+}
+
 /// The diagonal of a contiguous `[K, K]` tensor, on the host.
 pub fn diagonal(h: &Tensor) -> Result<Vec<f32>> {
     let k = h.dim(0)?;
@@ -311,6 +405,106 @@ pub fn codes_to_host(stream: &Arc<CudaStream>, codes: &CudaSlice<u8>) -> Result<
         .zip(buf[..n].par_chunks(CHUNK))
         .for_each(|(d, s)| d.copy_from_slice(s));
     Ok(out)
+}
+
+/// Page-locked host memory for a decoder layer's weights on their way to the GPU: filled from
+/// the mapped checkpoint on a thread beside the computation ([`PinnedStage::fill`], plain host
+/// copies, no CUDA call), then copied to the device one DMA per tensor ([`PinnedStage::upload`]),
+/// at the link's speed instead of the driver's staged copy of pageable memory.
+pub struct PinnedStage {
+    buf: cudarc::driver::PinnedHostSlice<u8>,
+    /// Tensor name → byte range in `buf`, of what the last fill holds.
+    held: HashMap<String, std::ops::Range<usize>>,
+}
+
+impl PinnedStage {
+    /// A stage of `bytes` bytes on `device`'s context (allocate on the thread that computes).
+    pub fn new(device: &Device, bytes: usize) -> Result<Self> {
+        let dev = cuda(device)?;
+        let ctx = dev.cuda_stream().context().clone();
+        // Flags 0: cached, so the filling thread writes at full speed (not write-combined).
+        let buf = unsafe { ctx.alloc_pinned_with_flags::<u8>(bytes.max(1), 0) }?;
+        Ok(Self {
+            buf,
+            held: HashMap::new(),
+        })
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Copies `tensors` (name and bytes) in, back to back, replacing what the stage held; the
+    /// caller makes sure no upload from it is still in flight (a stream synchronization since).
+    pub fn fill(&mut self, tensors: &[(String, &[u8])]) -> Result<()> {
+        let total: usize = tensors.iter().map(|(_, b)| b.len()).sum();
+        ensure!(
+            total <= self.buf.len(),
+            "internal: {total} bytes do not fit a {}-byte stage",
+            self.buf.len()
+        );
+        self.held.clear();
+        let host = self.buf.as_mut_slice()?;
+        let mut off = 0;
+        let mut dests = vec![];
+        let mut rest = &mut host[..total];
+        for (name, bytes) in tensors {
+            let (d, r) = rest.split_at_mut(bytes.len());
+            dests.push((d, *bytes));
+            rest = r;
+            self.held.insert(name.clone(), off..off + bytes.len());
+            off += bytes.len();
+        }
+        const CHUNK: usize = 4 << 20;
+        dests.into_par_iter().for_each(|(d, b)| {
+            d.par_chunks_mut(CHUNK)
+                .zip(b.par_chunks(CHUNK))
+                .for_each(|(d, b)| d.copy_from_slice(b));
+        });
+        Ok(())
+    }
+
+    /// Tensor `name` from the stage as `dtype` (stored as `stored`) with `shape`, on `device`;
+    /// `None` when the stage does not hold it.
+    pub fn upload(
+        &self,
+        device: &Device,
+        name: &str,
+        stored: DType,
+        shape: &[usize],
+    ) -> Result<Option<Tensor>> {
+        let Some(range) = self.held.get(name).cloned() else {
+            return Ok(None);
+        };
+        let dev = cuda(device)?;
+        let stream = dev.cuda_stream();
+        let n: usize = shape.iter().product();
+        ensure!(
+            n * stored.size_in_bytes() == range.len(),
+            "internal: staged tensor {name} has {} bytes, its shape {shape:?} needs {}",
+            range.len(),
+            n * stored.size_in_bytes()
+        );
+        let host = &self.buf.as_slice()?[range];
+        macro_rules! copy {
+            ($t:ty) => {{
+                let dst: CudaSlice<$t> = unsafe { stream.alloc(n) }?;
+                let (ptr, _record) = dst.device_ptr(&stream);
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(ptr, host, stream.cu_stream())
+                }?;
+                drop(_record);
+                wrap(dst, dev, shape)
+            }};
+        }
+        let t = match stored {
+            DType::BF16 => copy!(half::bf16),
+            DType::F16 => copy!(half::f16),
+            DType::F32 => copy!(f32),
+            other => bail!("internal: no staged upload of {other:?} tensors"),
+        };
+        Ok(Some(t))
+    }
 }
 
 /// Phase timings of the factorization and the solve on stderr when `SOAR_GPTQ_TRACE=1` (a
@@ -595,6 +789,97 @@ pub fn dequant_marlin(
         ],
     )?;
     Ok(wrap(out, dev, &[n, k]))
+}
+
+/// Whether [`flash_attention_causal`] has a kernel for head dimension `d`.
+pub fn flash_attention_supports(d: usize) -> bool {
+    matches!(d, 16 | 32 | 64 | 128)
+}
+
+/// Query rows per block of [`flash_attention_causal`] (docs/gpu.md, Fused attention).
+pub const FLASH_BLOCK_M: usize = 64;
+
+/// Dense causal GQA attention in one kernel (`flash_attn_causal_d{D}_m{BM}` in `gptq.cu`): `q`
+/// `[B, T, H, D]`, `k` and `v` `[B, T, KV, D]`, all BF16 on one GPU, query head `h` reading kv
+/// head `h / (H / KV)`; returns `o` `[B, T, H·D]` in BF16 with
+/// `o[t] = Σ_{s ≤ t} softmax_s(q_t·k_s·scale)·v_s`. The scores, the running max and sum, the
+/// rescaling and the P·V accumulator are f32; P is rounded to BF16 as the operand of P·V; the
+/// T×T scores are never stored. CPU twin: `model::minicpm_sala::sparse_attention_composed`.
+/// `D` must be one of [`flash_attention_supports`].
+pub fn flash_attention_causal(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<Tensor> {
+    flash_attention_causal_tiled(q, k, v, scale, FLASH_BLOCK_M)
+}
+
+/// [`flash_attention_causal`] with `block_m` (64 or 128) query rows per block, `block_m / 16`
+/// warps (the twin test and the benchmark run both).
+pub fn flash_attention_causal_tiled(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    block_m: usize,
+) -> Result<Tensor> {
+    let dev = cuda(q.device())?;
+    let (b, t, h, d) = q.dims4()?;
+    let (_, _, kv, _) = k.dims4()?;
+    ensure!(
+        k.dims() == [b, t, kv, d] && v.dims() == k.dims(),
+        "internal: attention operands differ: q {:?}, k {:?}, v {:?}",
+        q.dims(),
+        k.dims(),
+        v.dims()
+    );
+    ensure!(
+        [q.dtype(), k.dtype(), v.dtype()] == [DType::BF16; 3],
+        "internal: fused attention takes BF16 q, k, v"
+    );
+    ensure!(
+        kv > 0 && h.is_multiple_of(kv) && flash_attention_supports(d),
+        "internal: fused attention has no kernel for {h} heads over {kv} kv heads of dim {d}"
+    );
+    ensure!(
+        matches!(block_m, 64 | 128),
+        "internal: fused attention blocks are 64 or 128 rows, not {block_m}"
+    );
+    ensure!(b * t > 0, "internal: fused attention of an empty batch");
+    // cp.async moves 16-byte chunks: each operand must start 16-byte aligned (rows are D·2 bytes).
+    let aligned = |x: &Tensor| -> Result<Tensor> {
+        let x = x.contiguous()?;
+        Ok(if tensor_ptr(&x)? % 16 == 0 {
+            x
+        } else {
+            x.copy()?
+        })
+    };
+    let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
+    let stream = dev.cuda_stream();
+    let out: CudaSlice<half::bf16> = unsafe { stream.alloc(b * t * h * d) }?;
+    let (qp, kp, vp, op) = (
+        tensor_ptr(&q)?,
+        tensor_ptr(&k)?,
+        tensor_ptr(&v)?,
+        slice_ptr(&out, &stream),
+    );
+    // Grid (query tiles, heads, batch), one warp per 16 rows of a tile.
+    launch(
+        dev,
+        &format!("flash_attn_causal_d{d}_m{block_m}"),
+        launch_cfg(
+            (blocks(t, block_m), h as u32, b as u32),
+            (2 * block_m as u32, 1, 1),
+        ),
+        &[
+            &qp,
+            &kp,
+            &vp,
+            &op,
+            &(t as i32),
+            &(h as i32),
+            &(kv as i32),
+            &scale,
+        ],
+    )?;
+    Ok(wrap(out, dev, &[b, t, h * d]))
 }
 
 /// GPU memory free on `device` right now, in bytes.

@@ -4,10 +4,13 @@
 //   gather_damped_f64   -> solver.rs inverse_cholesky_upper (J·H[perm][:,perm]·J + damping, f64)
 //   reverse_upper_f32   -> solver.rs upper_inverse_factor (U = J·L⁻¹·J, here row-major)
 //   find_params         -> quantizer.rs QuantParams::find_row_params
+//   find_params_tiled   -> the same (groups of up to 128 columns, staged in shared memory)
+//   mirror_upper_blocks -> gptq/hessian.rs (the full XᵀX of the CPU's f32 matmul)
 //   gptq_block          -> solver.rs the in-block part of the column loop
 //   unpermute_codes     -> solver.rs (codes returned in the original column order)
 //   dequant_gptq        -> format/pack.rs dequantize_gptq (any of 2/3/4/8 bits)
 //   dequant_marlin      -> format/quantized/decode.rs dequantize_module (Marlin branch)
+//   flash_attn_causal_* -> model/minicpm_sala.rs sparse_attention_composed (to BF16 rounding)
 //
 // Arithmetic follows the CPU code operation by operation in f32 with IEEE division and
 // round-half-to-even (rintf), so that results agree bit for bit where the inputs do. Build
@@ -122,6 +125,101 @@ extern "C" __global__ void find_params(const float* __restrict__ w, int ldw, int
         }
     }
     size_t o = (size_t)(out_row0 + t) * n + row;
+    scale_out[o] = best_s;
+    zero_out[o] = best_z;
+}
+
+// find_params for groups of at most FP_TILE_COLS columns (the MSE search's hot path): the same
+// arithmetic in the same order as `find_params`, so the same bits, but each block first stages
+// its FP_TILE_ROWS rows of the group in shared memory, transposed, so that the candidate passes
+// read conflict-free shared memory instead of one global-memory line per row (a row per thread
+// made every load of `find_params` 32 separate L1 wavefronts). With blockDim.x = FP_TILE_ROWS ·
+// P, P threads share a row's MSE_STEPS candidates (consecutive runs of MSE_STEPS / P); their
+// bests are merged in candidate order with the same strict `<`, so the first best candidate wins,
+// as in the sequential loop.
+#define FP_TILE_ROWS 64
+#define FP_TILE_COLS 128
+#define FP_MAX_PARTS 4
+extern "C" __global__ void find_params_tiled(const float* __restrict__ w, int ldw, int n, int col0,
+                                             int col_end, int g, int groups, int out_row0,
+                                             int bits, int sym, int mse,
+                                             float* __restrict__ scale_out,
+                                             float* __restrict__ zero_out) {
+    __shared__ float tile[FP_TILE_COLS][FP_TILE_ROWS + 1];
+    __shared__ float part_err[FP_MAX_PARTS][FP_TILE_ROWS];
+    __shared__ float part_s[FP_MAX_PARTS][FP_TILE_ROWS];
+    __shared__ float part_z[FP_MAX_PARTS][FP_TILE_ROWS];
+    int t = blockIdx.y;
+    int row0 = blockIdx.x * FP_TILE_ROWS;
+    int c_start = col0 + t * g;
+    int len = min(c_start + g, col_end) - c_start;
+    int parts = blockDim.x / FP_TILE_ROWS;
+    if (t >= groups || len <= 0 || len > FP_TILE_COLS || parts < 1 || parts > FP_MAX_PARTS) return;
+    int rows = min(FP_TILE_ROWS, n - row0);
+    for (int idx = threadIdx.x; idx < rows * len; idx += blockDim.x) {
+        int r = idx / len, c = idx - r * len;
+        tile[c][r] = w[(size_t)(row0 + r) * ldw + c_start + c];
+    }
+    __syncthreads();
+    int r = threadIdx.x % FP_TILE_ROWS;
+    int part = threadIdx.x / FP_TILE_ROWS;
+    bool live = r < rows;
+    float maxq = (float)((1u << bits) - 1);
+    float xmin = 0.0f, xmax = 0.0f;
+    for (int c = 0; c < len; ++c) {
+        xmin = fminf(xmin, tile[c][r]);
+        xmax = fmaxf(xmax, tile[c][r]);
+    }
+    if (sym) {
+        xmax = fmaxf(xmax, fabsf(xmin));
+        if (xmin < 0.0f) xmin = -xmax;
+    }
+    if (xmin == 0.0f && xmax == 0.0f) {
+        xmin = -1.0f;
+        xmax = 1.0f;
+    }
+    float sym_zero = (maxq + 1.0f) / 2.0f;
+    float best_s = (xmax - xmin) / maxq;
+    float best_z = sym ? sym_zero : rintf(-xmin / best_s);
+    if (mse) {
+        int per = (MSE_STEPS + parts - 1) / parts;
+        int i0 = part * per, i1 = min(MSE_STEPS, i0 + per);
+        float best_err = INFINITY;
+        float my_s = best_s, my_z = best_z;
+        for (int i = i0; live && i < i1; ++i) {
+            float p = (float)(1.0 - (double)i / (double)MSE_GRID);
+            float lo = p * xmin, hi = p * xmax;
+            float s = (hi - lo) / maxq;
+            float z = sym ? sym_zero : rintf(-lo / s);
+            float err = 0.0f;
+            for (int c = 0; c < len; ++c) {
+                float x = tile[c][r];
+                float q = dequantize_code(quantize_code(x, s, z, maxq), s, z);
+                err += powf(fabsf(q - x), MSE_NORM);
+            }
+            if (err < best_err) {
+                best_err = err;
+                my_s = s;
+                my_z = z;
+            }
+        }
+        part_err[part][r] = best_err;
+        part_s[part][r] = my_s;
+        part_z[part][r] = my_z;
+        __syncthreads();
+        if (part != 0 || !live) return;
+        best_err = INFINITY;
+        for (int q = 0; q < parts; ++q) {
+            if (part_err[q][r] < best_err) {
+                best_err = part_err[q][r];
+                best_s = part_s[q][r];
+                best_z = part_z[q][r];
+            }
+        }
+    } else if (part != 0 || !live) {
+        return;
+    }
+    size_t o = (size_t)(out_row0 + t) * n + r + row0;
     scale_out[o] = best_s;
     zero_out[o] = best_z;
 }
@@ -271,6 +369,16 @@ extern "C" __global__ void dequant_marlin(const int32_t* __restrict__ b, const f
 }
 
 // x = I (k x k, f64): the right-hand side when L⁻¹ is computed by a triangular solve.
+// h [k, k] row-major: every element of a bs-column block below the diagonal set from its mirror
+// above it (h[i][j] = h[j][i] where i / bs > j / bs): the full XᵀX from the upper blocks that
+// xtx_add_upper accumulated.
+extern "C" __global__ void mirror_upper_blocks(float* __restrict__ h, int k, int bs) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    int i = blockIdx.y;
+    if (j >= k || i / bs <= j / bs) return;
+    h[(size_t)i * k + j] = h[(size_t)j * k + i];
+}
+
 extern "C" __global__ void set_identity_f64(double* __restrict__ x, int k) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     int j = blockIdx.y;
@@ -287,3 +395,283 @@ extern "C" __global__ void count_nonfinite(const float* __restrict__ x, unsigned
     for (int off = 16; off > 0; off >>= 1) bad += __shfl_down_sync(0xffffffffu, bad, off);
     if ((threadIdx.x & 31) == 0 && bad) atomicAdd(count, bad);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Fused causal GQA attention (flash-attention style), BF16 in, f32 softmax and accumulation, BF16
+// out. CPU twin: model/minicpm_sala.rs sparse_attention_composed (f32 scores, additive causal
+// mask, f32 softmax, f32 P·V, one rounding at the end).
+//
+//   q [B, T, H, D], k and v [B, T, KV, D] (contiguous BF16); o [B, T, H, D] BF16. Query head h
+//   reads kv head h / (H / KV). o[t] = Σ_{s ≤ t} softmax_s(q_t·k_s · scale) v_s.
+//
+// One block per (BM-query tile, head, batch), BM/16 warps of 16 query rows each (BM = 64 or 128).
+// The Q tile goes through shared memory into registers once; then key/value tiles of 64 rows
+// stream through shared memory (cp.async: K of the next tile loads during P·V, V of this tile
+// during Q·Kᵀ). Only key tiles at or below the diagonal are visited, only the tiles that cross
+// it are masked, and a warp whose rows all precede a tile skips its products. Products are
+// mma.sync m16n8k16 (BF16 in, f32 accumulate): S = Q·Kᵀ stays in registers, the running max and
+// sum are f32 (base-2 exponent, the scale folded in), and the probabilities P are rounded to BF16
+// as the A operand of P·V (the accumulator and its rescaling stay f32). Shared tiles are
+// XOR-swizzled in 16-byte chunks, so ldmatrix is free of bank conflicts. D ∈ {16, 32, 64, 128}.
+// ---------------------------------------------------------------------------------------------
+
+#include <cuda_bf16.h>
+
+#define FA_BN 64
+
+// Index (in 16-byte chunks) of chunk `c` of row `r` in a swizzled tile of D/8 chunks per row.
+template <int D>
+__device__ __forceinline__ int fa_swz(int r, int c) {
+    constexpr int CH = D / 8;
+    if constexpr (CH >= 8) {
+        return r * CH + (c ^ (r & 7));
+    } else {
+        return r * CH + (c ^ ((r / (8 / CH)) & (CH - 1)));
+    }
+}
+
+__device__ __forceinline__ void fa_cp_async16(void* smem, const void* gmem) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void fa_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void fa_cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+__device__ __forceinline__ void fa_ldsm_x4(unsigned (&r)[4], const void* p) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+__device__ __forceinline__ void fa_ldsm_x4_t(unsigned (&r)[4], const void* p) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+// c += a·b for one m16n8k16 tile (a: the 4 registers of the row-major A fragment, b0/b1 the
+// col-major B fragment).
+__device__ __forceinline__ void fa_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned fa_pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+
+// Rows [row0, row0 + ROWS) of a [T, ·] operand with `stride` elements between rows into a
+// swizzled tile; rows at or past T are zero (so masked keys multiply zeros, never garbage).
+template <int D, int ROWS, int THREADS>
+__device__ __forceinline__ void fa_load_tile(uint4* tile, const __nv_bfloat16* g, int row0, int t,
+                                             size_t stride) {
+    constexpr int CH = D / 8;
+    for (int i = threadIdx.x; i < ROWS * CH; i += THREADS) {
+        int r = i / CH, c = i % CH;
+        uint4* dst = tile + fa_swz<D>(r, c);
+        if (row0 + r < t) {
+            fa_cp_async16(dst, g + (size_t)(row0 + r) * stride + c * 8);
+        } else {
+            *dst = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+}
+
+template <int D, int BM>
+__device__ __forceinline__ void flash_attn_causal_impl(const __nv_bfloat16* __restrict__ q,
+                                                       const __nv_bfloat16* __restrict__ k,
+                                                       const __nv_bfloat16* __restrict__ v,
+                                                       __nv_bfloat16* __restrict__ o, int t, int nh,
+                                                       int nkv, float scale) {
+    constexpr int THREADS = BM * 2;  // BM / 16 warps
+    constexpr int CH = D / 8;        // 16-byte chunks per row
+    constexpr int KS = D / 16;       // k-steps of Q·Kᵀ
+    constexpr int NS = FA_BN / 8;    // n-tiles of S (8 keys each)
+    constexpr int NO = D / 8;        // n-tiles of O (8 columns each)
+    constexpr int KP = FA_BN / 16;   // k-steps of P·V
+    constexpr int SMEM = (BM > 2 * FA_BN ? BM : 2 * FA_BN) * CH;
+    // The Q tile first, then (once it is in registers) the K and V tiles in the same space.
+    __shared__ __align__(128) uint4 smem[SMEM];
+    uint4* sq = smem;
+    uint4* sk = smem;
+    uint4* sv = smem + FA_BN * CH;
+
+    const int qb = gridDim.x - 1 - blockIdx.x;  // the longest rows first
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int kvh = h / (nh / nkv);
+    const int q0 = qb * BM;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t4 = lane % 4;
+    const float sl2 = scale * 1.4426950408889634f;  // scores in base-2 exponent units
+
+    const size_t qstride = (size_t)nh * D, kstride = (size_t)nkv * D;
+    const __nv_bfloat16* qg = q + ((size_t)b * t * nh + h) * D;
+    const __nv_bfloat16* kg = k + ((size_t)b * t * nkv + kvh) * D;
+    const __nv_bfloat16* vg = v + ((size_t)b * t * nkv + kvh) * D;
+
+    fa_load_tile<D, BM, THREADS>(sq, qg, q0, t, qstride);
+    fa_cp_commit();
+    fa_cp_wait_all();
+    __syncthreads();
+    unsigned qf[KS][4];
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        fa_ldsm_x4(qf[ks], sq + fa_swz<D>(warp * 16 + (lane % 16), ks * 2 + lane / 16));
+    }
+    __syncthreads();  // Q is in registers: its space takes K and V
+    fa_load_tile<D, FA_BN, THREADS>(sk, kg, 0, t, kstride);
+    fa_cp_commit();
+
+    float acc[NO][4];
+#pragma unroll
+    for (int n = 0; n < NO; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.0f, 0.0f};
+    const int wrow0 = q0 + warp * 16;  // this warp's first row
+    const int rowa = wrow0 + g;        // this thread's rows: rowa and rowa + 8
+
+    // Key tiles at or below the diagonal of the block's last row (keys past T are zero and
+    // masked; a tile that starts past T is never needed).
+    const int kend = min(t, q0 + BM);
+    const int nkb = (kend + FA_BN - 1) / FA_BN;
+    for (int j = 0; j < nkb; ++j) {
+        fa_cp_wait_all();  // K_j
+        __syncthreads();   // also: every warp is done with V_{j-1}
+        fa_load_tile<D, FA_BN, THREADS>(sv, vg, j * FA_BN, t, kstride);
+        fa_cp_commit();
+        const int k0 = j * FA_BN;
+        // Warp-uniform: a warp whose last row precedes the tile has nothing to add from it.
+        const bool active = k0 <= wrow0 + 15;
+
+        float s[NS][4];
+#pragma unroll
+        for (int n = 0; n < NS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        unsigned pf[KP][4];
+        if (active) {
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+                for (int np = 0; np < NS / 2; ++np) {
+                    const int mi = lane / 8;
+                    const int key = np * 16 + (mi / 2) * 8 + lane % 8;
+                    unsigned bf[4];
+                    fa_ldsm_x4(bf, sk + fa_swz<D>(key, ks * 2 + (mi % 2)));
+                    fa_mma(s[2 * np], qf[ks], bf[0], bf[1]);
+                    fa_mma(s[2 * np + 1], qf[ks], bf[2], bf[3]);
+                }
+            }
+
+            if (k0 + FA_BN - 1 > wrow0) {  // the tile crosses this warp's diagonal
+#pragma unroll
+                for (int n = 0; n < NS; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = k0 + n * 8 + t4 * 2 + (e & 1);
+                        const int row = rowa + (e >> 1) * 8;
+                        if (key > row) s[n][e] = -INFINITY;
+                    }
+                }
+            }
+
+            // Online softmax in f32, two rows per thread (a row spans the 4 lanes of a quad).
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float mx = -INFINITY;
+#pragma unroll
+                for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                // Key 0 is in every row's first tile, so mnew is finite from the first tile on.
+                const float mnew = fmaxf(mrow[r], mx * sl2);
+                const float alpha = exp2f(mrow[r] - mnew);  // 0 on the first tile
+                mrow[r] = mnew;
+                float sum = 0.0f;
+#pragma unroll
+                for (int n = 0; n < NS; ++n) {
+                    const float p0 = exp2f(fmaf(s[n][2 * r], sl2, -mnew));
+                    const float p1 = exp2f(fmaf(s[n][2 * r + 1], sl2, -mnew));
+                    s[n][2 * r] = p0;
+                    s[n][2 * r + 1] = p1;
+                    sum += p0 + p1;
+                }
+                lrow[r] = lrow[r] * alpha + sum;
+#pragma unroll
+                for (int n = 0; n < NO; ++n) {
+                    acc[n][2 * r] *= alpha;
+                    acc[n][2 * r + 1] *= alpha;
+                }
+            }
+
+            // P as BF16 A fragments: the accumulators of two adjacent 8-key tiles are one
+            // 16-key A fragment in the same lanes.
+#pragma unroll
+            for (int kk = 0; kk < KP; ++kk) {
+                pf[kk][0] = fa_pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+                pf[kk][1] = fa_pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+                pf[kk][2] = fa_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                pf[kk][3] = fa_pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            }
+        }
+
+        fa_cp_wait_all();  // V_j
+        __syncthreads();   // also: every warp is done with K_j
+        if (j + 1 < nkb) {
+            fa_load_tile<D, FA_BN, THREADS>(sk, kg, (j + 1) * FA_BN, t, kstride);
+            fa_cp_commit();
+        }
+
+        if (active) {
+#pragma unroll
+            for (int kk = 0; kk < KP; ++kk) {
+#pragma unroll
+                for (int dp = 0; dp < D / 16; ++dp) {
+                    const int mi = lane / 8;
+                    const int key = kk * 16 + (mi % 2) * 8 + lane % 8;
+                    unsigned bf[4];
+                    fa_ldsm_x4_t(bf, sv + fa_swz<D>(key, dp * 2 + mi / 2));
+                    fa_mma(acc[2 * dp], pf[kk], bf[0], bf[1]);
+                    fa_mma(acc[2 * dp + 1], pf[kk], bf[2], bf[3]);
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = lrow[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = 1.0f / l;
+        const int row = rowa + r * 8;
+        if (row < t) {
+            __nv_bfloat16* orow = o + ((size_t)b * t + row) * qstride + (size_t)h * D;
+#pragma unroll
+            for (int n = 0; n < NO; ++n) {
+                *reinterpret_cast<__nv_bfloat162*>(orow + n * 8 + t4 * 2) =
+                    __floats2bfloat162_rn(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+            }
+        }
+    }
+}
+
+// flash_attn_causal_d{D}_m{BM}(q, k, v, o, T, H, KV, scale): grid (ceil(T / BM), H, B), BM·2
+// threads.
+#define FA_KERNEL(DIM, BM)                                                                         \
+    extern "C" __global__ void __launch_bounds__(BM * 2) flash_attn_causal_d##DIM##_m##BM(       \
+        const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,                  \
+        const __nv_bfloat16* __restrict__ v, __nv_bfloat16* __restrict__ o, int t, int nh,         \
+        int nkv, float scale) {                                                                    \
+        flash_attn_causal_impl<DIM, BM>(q, k, v, o, t, nh, nkv, scale);                            \
+    }
+FA_KERNEL(16, 64)
+FA_KERNEL(32, 64)
+FA_KERNEL(64, 64)
+FA_KERNEL(128, 64)
+FA_KERNEL(16, 128)
+FA_KERNEL(32, 128)
+FA_KERNEL(64, 128)
+FA_KERNEL(128, 128)

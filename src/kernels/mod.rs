@@ -6,8 +6,13 @@
 //! |---|---|---|
 //! | XᵀX, BF16 in, f32 accumulate | cuBLAS GemmEx, `beta = 1` per 16 K rows | f32 matmul in `gptq::HessianAccumulator` |
 //! | inverse Cholesky factor (f64) with damping escalation | cuSOLVER potrf + trtri | faer in `gptq/solver.rs` |
+//! | group parameters (min/max, MSE range search) | `find_params_tiled` (groups ≤ 128 columns staged in shared memory, 4 threads per row for the search), `find_params` (whole rows) | `gptq::QuantParams::find_row_params` |
 //! | the GPTQ column loop | fused in-block kernel (a warp per row) + one SGEMM per block | rayon + faer in `gptq/solver.rs` |
 //! | GPTQ / Marlin decode | `dequant_gptq`, `dequant_marlin` | `format::dequantize_gptq`, `format::quantized::dequantize_module` |
+//! | causal GQA attention of the sparse layers, BF16 in/out | `flash_attn_causal_d{16,32,64,128}_m{64,128}`: fused flash-style (mma.sync BF16, f32 online softmax, P rounded to BF16 for P·V) | `model::minicpm_sala::sparse_attention_composed` (f32 scores, mask, softmax, P·V) |
+//!
+//! Besides the kernels, `cuda.rs` holds the transfers: page-locked staging of the codes (device to
+//! host) and of the next decoder layer's weights (`PinnedStage`, host to device).
 //!
 //! The CPU build (the default, and CI) compiles none of this; `tests/cuda_twins.rs` compares
 //! every pair on a GPU machine.

@@ -216,26 +216,7 @@ impl DecoderLayer {
                     qh = rope(&qh, &inv_freq)?;
                     kh = rope(&kh, &inv_freq)?;
                 }
-                let f32t = |x: &Tensor| x.transpose(1, 2)?.to_dtype(DType::F32)?.contiguous();
-                let n_rep = c.heads / c.kv_heads;
-                let (qf, kf, vf) = (
-                    f32t(&qh)?,
-                    repeat_kv(&f32t(&kh)?, n_rep)?,
-                    repeat_kv(&f32t(&vh)?, n_rep)?,
-                );
-                let scores = (qf.matmul(&kf.t()?.contiguous()?)? / (c.head_dim as f64).sqrt())?;
-                let mask = causal_mask(t, h.device())?;
-                let masked = scores.broadcast_add(&mask)?;
-                let p = if self.differentiable {
-                    candle_nn::ops::softmax(&masked, D::Minus1)?
-                } else {
-                    candle_nn::ops::softmax_last_dim(&masked)?
-                };
-                let o = p
-                    .matmul(&vf)?
-                    .transpose(1, 2)?
-                    .reshape((b, t, c.heads * c.head_dim))?
-                    .to_dtype(h.dtype())?;
+                let o = sparse_attention(&qh, &kh, &vh, self.differentiable)?;
                 match gate {
                     Some(g) => (o * candle_nn::ops::sigmoid(&g.forward(&x)?)?)?,
                     None => o,
@@ -336,6 +317,67 @@ impl DecoderLayer {
     pub fn mlp_residual(&self, h: &Tensor, act: &Tensor) -> Result<Tensor> {
         Ok((h + (self.down_proj.forward(act)? * self.cfg.residual)?)?)
     }
+}
+
+/// Dense causal GQA attention of a sparse layer: `q` `[B, T, H, D]`, `k`, `v` `[B, T, KV, D]`
+/// (after RoPE) → `[B, T, H·D]` in q's dtype. On a GPU, for BF16 tensors no gradient flows
+/// through (and not `differentiable`), the fused kernel (`kernels::cuda::flash_attention_causal`,
+/// feature `cuda`: f32 softmax and accumulation, P rounded to BF16 for P·V); elsewhere
+/// [`sparse_attention_composed`], its CPU twin (docs/gpu.md, Fused attention).
+pub fn sparse_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    differentiable: bool,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    {
+        use crate::kernels::cuda;
+        let (b, t, _, d) = q.dims4()?;
+        let untracked = !(q.track_op() || k.track_op() || v.track_op());
+        let bf16 = [q.dtype(), k.dtype(), v.dtype()] == [DType::BF16; 3];
+        if !differentiable
+            && q.device().is_cuda()
+            && untracked
+            && bf16
+            && b * t > 0
+            && cuda::flash_attention_supports(d)
+        {
+            return cuda::flash_attention_causal(q, k, v, (1.0 / (d as f64).sqrt()) as f32);
+        }
+    }
+    sparse_attention_composed(q, k, v, differentiable)
+}
+
+/// [`sparse_attention`] as the reference computes it, differentiable: q, k, v cast to f32,
+/// kv heads repeated, scores `q·kᵀ / sqrt(D)` plus the additive causal mask, softmax and `P·V`
+/// in f32, then cast back to q's dtype.
+pub fn sparse_attention_composed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    differentiable: bool,
+) -> Result<Tensor> {
+    let (b, t, heads, head_dim) = q.dims4()?;
+    let f32t = |x: &Tensor| x.transpose(1, 2)?.to_dtype(DType::F32)?.contiguous();
+    let n_rep = heads / k.dim(2)?;
+    let (qf, kf, vf) = (
+        f32t(q)?,
+        repeat_kv(&f32t(k)?, n_rep)?,
+        repeat_kv(&f32t(v)?, n_rep)?,
+    );
+    let scores = (qf.matmul(&kf.t()?.contiguous()?)? / (head_dim as f64).sqrt())?;
+    let mask = causal_mask(t, q.device())?;
+    let masked = scores.broadcast_add(&mask)?;
+    let p = if differentiable {
+        candle_nn::ops::softmax(&masked, D::Minus1)?
+    } else {
+        candle_nn::ops::softmax_last_dim(&masked)?
+    };
+    Ok(p.matmul(&vf)?
+        .transpose(1, 2)?
+        .reshape((b, t, heads * head_dim))?
+        .to_dtype(q.dtype())?)
 }
 
 /// Embedding, final norm and head; decoder layers are loaded separately (one at a time when

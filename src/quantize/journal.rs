@@ -36,28 +36,96 @@ pub struct Hashes {
     pub tool_version: String,
 }
 
+/// The shards' SHA-256 by file name, and the seconds the checks took.
+type SourceSums = (BTreeMap<String, String>, f64);
+
+/// The source checks of a run on a thread of their own: every weight finite, and the shards'
+/// SHA-256 (for the journal and the report), checked against the hub cache's blob names or a
+/// manifest. They read all of the source once, beside the setup and the first layer; the journal
+/// takes the hashes before it is first saved, and a resumed run waits for them before it compares
+/// its journal.
+pub struct SourceChecks {
+    handle: Option<std::thread::JoinHandle<Result<SourceSums>>>,
+    /// What the checks found wrong, once they have finished (kept: every later call fails too).
+    failed: Option<String>,
+    /// How long the checks took on their thread.
+    pub seconds: f64,
+    /// How long the run waited for them.
+    pub waited: f64,
+}
+
+impl SourceChecks {
+    pub fn start(dir: &Path) -> Self {
+        let dir = dir.to_path_buf();
+        let handle = std::thread::spawn(move || {
+            let t = std::time::Instant::now();
+            let ck = Checkpoint::open(&dir)?;
+            let (finite, sums) = rayon::join(|| ck.check_finite(), || source_sha256(&ck));
+            finite?;
+            let sums = sums?;
+            crate::source::verify_shards(&dir, &sums)?;
+            Ok((sums, t.elapsed().as_secs_f64()))
+        });
+        Self {
+            handle: Some(handle),
+            failed: None,
+            seconds: 0.0,
+            waited: 0.0,
+        }
+    }
+
+    /// The shards' hashes the first time (waiting for the checks if they are still running),
+    /// `None` after that; the checks' error, if they failed, every time.
+    pub fn finish(&mut self) -> Result<Option<BTreeMap<String, String>>> {
+        if let Some(e) = &self.failed {
+            bail!("{e}");
+        }
+        let Some(h) = self.handle.take() else {
+            return Ok(None);
+        };
+        let t = std::time::Instant::now();
+        let r = h
+            .join()
+            .map_err(|_| anyhow::anyhow!("the source check thread panicked"))
+            .and_then(|r| r);
+        self.waited = t.elapsed().as_secs_f64();
+        match r {
+            Ok((sums, seconds)) => {
+                self.seconds = seconds;
+                Ok(Some(sums))
+            }
+            Err(e) => {
+                let text = format!("{e:#}");
+                self.failed = Some(text.clone());
+                bail!("{text}")
+            }
+        }
+    }
+}
+
+/// The SHA-256 of every safetensors file of `ck`, by file name (the files hashed in parallel).
+pub fn source_sha256(ck: &Checkpoint) -> Result<BTreeMap<String, String>> {
+    let files: Vec<&Path> = ck.shards.iter().map(|s| s.path.as_path()).collect();
+    files
+        .par_iter()
+        .map(|p| {
+            Ok((
+                p.file_name().unwrap().to_string_lossy().into_owned(),
+                sha256_file(p)?,
+            ))
+        })
+        .collect()
+}
+
 impl Hashes {
-    pub fn compute(
+    /// The hashes of a run: the source shards' (from [`source_sha256`]), its config's, the
+    /// settings' and the calibration's.
+    pub fn new(
         src_dir: &Path,
-        ck: &Checkpoint,
+        source_sha256: BTreeMap<String, String>,
         settings: &Settings,
         calibration_sha256: &str,
     ) -> Result<Self> {
-        let files: Vec<&Path> = ck.shards.iter().map(|s| s.path.as_path()).collect();
-        let sums: Vec<Result<(String, String)>> = files
-            .par_iter()
-            .map(|p| {
-                Ok((
-                    p.file_name().unwrap().to_string_lossy().into_owned(),
-                    sha256_file(p)?,
-                ))
-            })
-            .collect();
-        let mut source_sha256 = BTreeMap::new();
-        for r in sums {
-            let (k, v) = r?;
-            source_sha256.insert(k, v);
-        }
         let settings_json = serde_json::to_vec(settings)?;
         Ok(Self {
             config_sha256: sha256_file(&src_dir.join("config.json"))?,

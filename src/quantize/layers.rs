@@ -4,9 +4,10 @@
 //! the next one sees the quantized model. Each finished layer's file is written on a background
 //! thread while the next layer computes.
 
-use super::journal::{self, Journal, JournalLayer, Packed};
+use super::journal::{self, Journal, JournalLayer, Packed, SourceChecks};
 use super::plan::{ModulePlan, Plan};
 use super::stages::{StageClock, Stages};
+use super::stream::StreamFeed;
 use super::{Method, ModuleRow, QuantizeOptions};
 use crate::checkpoint::Checkpoint;
 use crate::format;
@@ -34,15 +35,26 @@ pub(super) struct LayerRun<'a> {
     pub layout: QuantFormat,
     pub quant: QuantParams,
     pub jdir: &'a Path,
+    /// The shard stream, told of each layer as it is recorded (replayed layers first).
+    pub feed: &'a StreamFeed,
 }
 
 impl LayerRun<'_> {
     /// Quantizes the layers the journal does not hold yet, recording each in it. Whatever
     /// happens, a layer that finished is recorded, so `--resume` can continue after it.
-    pub fn run(&self, journal: &mut Journal, stages: &mut Stages) -> Result<()> {
+    /// The source checks hand the journal their hashes before it is first saved.
+    pub fn run(
+        &self,
+        journal: &mut Journal,
+        stages: &mut Stages,
+        checks: &mut SourceChecks,
+    ) -> Result<()> {
+        for entry in &journal.layers {
+            self.feed.layer_done(entry)?;
+        }
         let mut pending = None;
-        let r = self.run_pending(journal, stages, &mut pending);
-        let flushed = flush_pending(&mut pending, journal, self.jdir);
+        let r = self.run_pending(journal, stages, &mut pending, checks);
+        let flushed = flush_pending(&mut pending, journal, self.jdir, self.feed, checks);
         r.and(flushed)
     }
 
@@ -51,8 +63,10 @@ impl LayerRun<'_> {
         journal: &mut Journal,
         stages: &mut Stages,
         pending: &mut Option<PendingLayer>,
+        checks: &mut SourceChecks,
     ) -> Result<()> {
         let mut pass = Pass::start(self, stages)?;
+        let mut loader = LayerLoader::new(self.opts, self.cfg, self.ck)?;
         for entry in journal.layers.clone() {
             pass.replay(&entry)?;
         }
@@ -62,16 +76,47 @@ impl LayerRun<'_> {
             }
             crate::fault::point("a layer starts");
             let t_layer = Instant::now();
-            let LayerResult { rows, packed } = pass.quantize_layer(i)?;
+            // The next layer's weights are made ready beside this layer's work (GPU: copied to
+            // page-locked memory; CPU: its pages mapped in), so loading it is a plain copy.
+            let next =
+                (i + 1 < self.cfg.num_hidden_layers()).then(|| layer_tensor_names(self.cfg, i + 1));
+            let (cur, nxt) = loader.split(i);
+            let LayerResult { rows, quantized } = std::thread::scope(|s| {
+                let ready = next.map(|names| {
+                    let ck = self.ck;
+                    s.spawn(move || LayerLoader::prepare(nxt, ck, &names))
+                });
+                let r = pass.quantize_layer(i, cur);
+                let prepared = ready.map_or(Ok(false), |h| {
+                    h.join()
+                        .map_err(|_| anyhow!("the layer staging thread panicked"))?
+                });
+                r.and_then(|r| prepared.map(|_| r))
+            })?;
+            loader.held = i + 1;
             // The previous layer's file was written while this layer computed.
-            flush_pending(pending, journal, self.jdir)?;
+            flush_pending(pending, journal, self.jdir, self.feed, checks)?;
             pass.stages.journal += pass.clock.lap()?;
             let dir = self.jdir.to_path_buf();
+            let layout = self.layout;
             *pending = Some(PendingLayer {
                 index: i,
                 rows,
                 seconds: t_layer.elapsed().as_secs_f64(),
-                write: std::thread::spawn(move || journal::write_layer_file(&dir, i, &packed)),
+                // Packed and written beside the next layer's computation.
+                write: std::thread::spawn(move || {
+                    let packed = quantized
+                        .iter()
+                        .map(|(name, q, bits)| {
+                            Ok((
+                                name.clone(),
+                                pack(q, *bits, layout)
+                                    .with_context(|| format!("packing {name}"))?,
+                            ))
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    journal::write_layer_file(&dir, i, &packed)
+                }),
             });
             pass.pb.inc(1);
             crate::fault::delay("SOAR_GPTQ_TEST_LAYER_DELAY_MS");
@@ -110,11 +155,12 @@ struct Subset {
     factors: BTreeMap<LinearGroup, Factorization>,
 }
 
-/// What a quantized layer leaves for the journal: its report rows and packed tensors.
+/// What a quantized layer leaves for the journal: its report rows and each quantized Linear's
+/// codes, scales and zeros with its bit width (packed on the journal thread).
 #[derive(Default)]
 struct LayerResult {
     rows: Vec<ModuleRow>,
-    packed: Vec<(String, Packed)>,
+    quantized: Vec<(String, QuantizedLinear, u8)>,
 }
 
 impl<'r, 's> Pass<'r, 's> {
@@ -194,15 +240,34 @@ impl<'r, 's> Pass<'r, 's> {
         Ok(())
     }
 
-    /// Quantizes layer `i` subset by subset and runs it forward on the calibration states.
-    fn quantize_layer(&mut self, i: usize) -> Result<LayerResult> {
+    /// Quantizes layer `i` subset by subset and runs it forward on the calibration states; its
+    /// weights come from `staged` where it holds them (made ready while the previous layer
+    /// computed), else from the checkpoint.
+    fn quantize_layer(&mut self, i: usize, staged: Option<&Stage>) -> Result<LayerResult> {
         let opts = self.run.opts;
-        let mut layer = self.model.load_layer(self.run.ck, i)?;
+        let ck = self.run.ck;
+        let get = |name: &str| -> Result<Tensor> {
+            if let Some(st) = staged {
+                let shape = &ck
+                    .get(name)
+                    .ok_or_else(|| anyhow!("no tensor {name}"))?
+                    .shape;
+                if let Some(t) = st.upload(&opts.device, name, ck.stored_dtype(name)?, shape)? {
+                    return Ok(t.to_dtype(opts.dtype)?);
+                }
+            }
+            ck.tensor(name, opts.dtype, &opts.device)
+        };
+        let load = || {
+            AnyLayer::from_tensors(self.run.cfg, i, &get)
+                .with_context(|| format!("loading decoder layer {i}"))
+        };
+        let mut layer = load()?;
         // GPTAQ: the layer as the full-precision model has it, for the target inputs.
         let fp_layer = if self.fp_states.is_empty() {
             None
         } else {
-            Some(self.model.load_layer(self.run.ck, i)?)
+            Some(load()?)
         };
         self.stages.load += self.clock.lap()?;
         let subsets: Vec<Vec<LinearGroup>> = if opts.true_sequential {
@@ -487,18 +552,10 @@ impl<'r, 's> Pass<'r, 's> {
                 self.stages.refit += self.clock.lap()?;
             }
         }
-        let p = pack(&q, quant.bits, self.run.layout).with_context(|| format!("packing {full}"))?;
         let (n, k) = (q.n, q.k);
-        let deq = decode_stored(
-            &p,
-            n,
-            k,
-            quant.bits,
-            self.run.layout,
-            opts.dtype,
-            &opts.device,
-        )?;
-        self.stages.pack += self.clock.lap()?;
+        let deq = decode_codes(&q, opts.dtype, &opts.device)?;
+        q.device_codes = None;
+        self.stages.decode += self.clock.lap()?;
         let rel = match subset.hessians.get(&g) {
             Some(h) => Some(relative_output_error(&w, &deq, h)?),
             None => None,
@@ -521,9 +578,114 @@ impl<'r, 's> Pass<'r, 's> {
         };
         crate::progress::println(&self.pb, row.line());
         out.rows.push(row);
-        out.packed.push((full, p));
+        out.quantized.push((full, q, quant.bits));
         Ok(())
     }
+}
+
+/// A page-locked copy of a decoder layer's weights (`kernels::cuda::PinnedStage`); without the
+/// `cuda` feature a type that is never made.
+#[cfg(feature = "cuda")]
+type Stage = crate::kernels::cuda::PinnedStage;
+
+#[cfg(not(feature = "cuda"))]
+enum Stage {}
+
+#[cfg(not(feature = "cuda"))]
+impl Stage {
+    fn fill(&mut self, _: &[(String, &[u8])]) -> Result<()> {
+        match *self {}
+    }
+    fn upload(&self, _: &Device, _: &str, _: DType, _: &[usize]) -> Result<Option<Tensor>> {
+        match *self {}
+    }
+}
+
+/// Where each layer's weights come from. On a GPU two page-locked stages take turns: while
+/// layer i computes from one, a thread copies layer i + 1 into the other, so its load is one DMA
+/// per tensor (the driver's copy of pageable, mapped memory ran at ~8 GB/s). On the CPU the
+/// thread maps the next layer's pages in.
+struct LayerLoader {
+    stages: Option<[Stage; 2]>,
+    /// The layer the stage for the next `split` holds (none yet: the first layer loads from the
+    /// checkpoint).
+    held: usize,
+}
+
+impl LayerLoader {
+    fn new(opts: &QuantizeOptions, cfg: &AnyConfig, ck: &Checkpoint) -> Result<Self> {
+        let stages = if opts.device.is_cuda() {
+            let mut bytes = 0usize;
+            for i in 0..cfg.num_hidden_layers() {
+                let mut sum = 0;
+                for name in layer_tensor_names(cfg, i) {
+                    sum += ck.bytes(&name)?.len();
+                }
+                bytes = bytes.max(sum);
+            }
+            Self::pinned(&opts.device, bytes)?
+        } else {
+            None
+        };
+        Ok(Self {
+            stages,
+            held: usize::MAX,
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn pinned(device: &Device, bytes: usize) -> Result<Option<[Stage; 2]>> {
+        Ok(Some([
+            Stage::new(device, bytes)?,
+            Stage::new(device, bytes)?,
+        ]))
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn pinned(_: &Device, _: usize) -> Result<Option<[Stage; 2]>> {
+        Ok(None)
+    }
+
+    /// The stage layer `i` reads from (if it holds layer i) and the one to fill with layer i + 1.
+    fn split(&mut self, i: usize) -> (Option<&Stage>, Option<&mut Stage>) {
+        let held = self.held;
+        match &mut self.stages {
+            Some([a, b]) => {
+                let (cur, next) = if i.is_multiple_of(2) { (a, b) } else { (b, a) };
+                ((held == i).then_some(&*cur), Some(next))
+            }
+            None => (None, None),
+        }
+    }
+
+    /// Makes the layer whose tensors are `names` ready: copied into `stage`, or (no stage) its
+    /// pages mapped in. Runs beside the computation. Returns whether a stage was filled.
+    fn prepare(stage: Option<&mut Stage>, ck: &Checkpoint, names: &[String]) -> Result<bool> {
+        match stage {
+            Some(st) => {
+                let tensors = names
+                    .iter()
+                    .map(|n| Ok((n.clone(), ck.bytes(n)?)))
+                    .collect::<Result<Vec<_>>>()?;
+                st.fill(&tensors)?;
+                Ok(true)
+            }
+            None => {
+                for n in names {
+                    ck.prefault(n)?;
+                }
+                Ok(false)
+            }
+        }
+    }
+}
+
+/// The full names (`model.layers.{i}.…`) of decoder layer `i`'s tensors.
+fn layer_tensor_names(cfg: &AnyConfig, i: usize) -> Vec<String> {
+    cfg.layer_tensors(i)
+        .into_iter()
+        .map(|(n, _)| format!("model.layers.{i}.{n}"))
+        .collect()
 }
 
 /// Sentinel error that ends a layer's forward once the wanted subset's input has been seen.
@@ -545,6 +707,46 @@ fn pack(q: &QuantizedLinear, bits: u8, layout: QuantFormat) -> Result<Packed> {
         scales_f16: format::f32_to_f16_le_bytes(&q.scales),
         g_idx: q.g_idx.clone(),
     })
+}
+
+/// The weights a server computes with, straight from a solve's codes: `scale · (code − zero)`
+/// with the scales rounded to fp16 as they are stored, as `[N, K]` in `dtype` on `device` (on the
+/// GPU from the codes the solve left there). Bit-identical to [`decode_stored`] of the packed
+/// tensors (the packing is lossless and both compute the same f32 product; a test checks it),
+/// so the packing can run on the journal thread while the next layer computes.
+fn decode_codes(q: &QuantizedLinear, dtype: DType, device: &Device) -> Result<Tensor> {
+    let (n, k, groups) = (q.n, q.k, q.n_groups());
+    if let Some(pos) = q.g_idx.iter().position(|&g| g < 0 || g as usize >= groups) {
+        bail!(
+            "internal: g_idx[{pos}] = {} is outside the {groups} scale groups",
+            q.g_idx[pos]
+        );
+    }
+    let codes = match &q.device_codes {
+        Some(c) if c.device().same_device(device) => c.clone(),
+        _ => Tensor::from_slice(&q.codes, (n, k), device)?,
+    };
+    let g_idx: Vec<u32> = q.g_idx.iter().map(|&g| g as u32).collect();
+    let g_idx = Tensor::from_vec(g_idx, k, device)?;
+    // `[groups, N]` per-group values as `[N, K]`, column k holding group g_idx[k]'s.
+    let per_column = |v: Vec<f32>| -> Result<Tensor> {
+        Ok(Tensor::from_vec(v, (groups, n), device)?
+            .t()?
+            .contiguous()?
+            .index_select(&g_idx, 1)?)
+    };
+    let scales = per_column(
+        q.scales
+            .iter()
+            .map(|&s| half::f16::from_f32(s).to_f32())
+            .collect(),
+    )?;
+    let zeros = per_column(q.zeros.iter().map(|&z| f32::from(z)).collect())?;
+    Ok(codes
+        .to_dtype(DType::F32)?
+        .sub(&zeros)?
+        .mul(&scales)?
+        .to_dtype(dtype)?)
 }
 
 /// The weights a server computes with: decoded from the stored tensors (fp16 scales), as
@@ -586,12 +788,18 @@ fn relative_output_error(w: &Tensor, q: &Tensor, h: &Tensor) -> Result<f64> {
         h.clone()
     };
     let quad = |m: &Tensor| -> Result<f64> {
-        let mh = if gpu {
-            m.to_dtype(DType::BF16)?.matmul(&hb)?.to_dtype(DType::F32)?
-        } else {
-            m.matmul(h)?
-        };
-        Ok(mh
+        if gpu {
+            let mh = m.to_dtype(DType::BF16)?.matmul(&hb)?.to_dtype(DType::F32)?;
+            // Row sums first: candle reduces a whole tensor in one thread block, which cost
+            // more than the products (about 1 s of the 9.5B's report stage).
+            return Ok(mh
+                .mul(m)?
+                .sum(1)?
+                .to_dtype(DType::F64)?
+                .sum_all()?
+                .to_scalar::<f64>()?);
+        }
+        Ok(m.matmul(h)?
             .mul(m)?
             .sum_all()?
             .to_dtype(DType::F64)?
@@ -727,17 +935,22 @@ struct PendingLayer {
     write: std::thread::JoinHandle<Result<(String, String)>>,
 }
 
-/// Waits for the pending layer's file and records the layer in the journal.
+/// Waits for the pending layer's file, records the layer in the journal and hands it to the
+/// shard stream.
 fn flush_pending(
     pending: &mut Option<PendingLayer>,
     journal: &mut Journal,
     jdir: &Path,
+    feed: &StreamFeed,
+    checks: &mut SourceChecks,
 ) -> Result<()> {
     if let Some(p) = pending.take() {
         let (file, sha256) = p
             .write
             .join()
             .map_err(|_| anyhow!("the journal writer thread panicked"))??;
+        // A damaged source is not journaled.
+        let sums = checks.finish()?;
         journal.layers.push(JournalLayer {
             index: p.index,
             file,
@@ -745,7 +958,94 @@ fn flush_pending(
             rows: p.rows,
             seconds: p.seconds,
         });
+        if let Some(sums) = sums {
+            journal.hashes.source_sha256 = sums;
+        }
         journal.save(jdir)?;
+        feed.layer_done(journal.layers.last().expect("just pushed"))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gptq::SolveTimings;
+    use crate::rng::SplitMix64;
+
+    /// A solve's result with random codes, scales and zeros, and an act-order g_idx.
+    fn random_linear(
+        rng: &mut SplitMix64,
+        n: usize,
+        k: usize,
+        bits: u8,
+        g: usize,
+    ) -> QuantizedLinear {
+        let maxq = (1u64 << bits) - 1;
+        let groups = k / g;
+        let mut perm: Vec<usize> = (0..k).collect();
+        for i in (1..k).rev() {
+            perm.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+        }
+        let mut g_idx = vec![0i32; k];
+        for (pos, &col) in perm.iter().enumerate() {
+            g_idx[col] = (pos / g) as i32;
+        }
+        QuantizedLinear {
+            n,
+            k,
+            codes: (0..n * k)
+                .map(|_| (rng.next_u64() % (maxq + 1)) as u8)
+                .collect(),
+            scales: (0..groups * n)
+                .map(|_| (rng.normal().abs() as f32 + 0.05) * 1e-2)
+                .collect(),
+            // 1..=maxq: GPTQ v1 cannot store a zero point of 0.
+            zeros: (0..groups * n)
+                .map(|_| (1 + rng.next_u64() % maxq) as u8)
+                .collect(),
+            g_idx,
+            loss: 0.0,
+            damp_used: 0.0,
+            dead_columns: 0,
+            timings: SolveTimings::default(),
+            device_codes: None,
+        }
+    }
+
+    /// What the layer loop decodes right after a solve equals, bit for bit, what it decodes
+    /// from the packed tensors when a resumed run replays the layer (every width, both GPTQ
+    /// layouts, act-order groups).
+    #[test]
+    fn decoding_the_codes_equals_decoding_the_packed_tensors() {
+        let mut rng = SplitMix64::new(41);
+        let dev = Device::Cpu;
+        for bits in [2u8, 3, 4, 8] {
+            for layout in [QuantFormat::GptqV1, QuantFormat::GptqV2] {
+                let (n, k) = (64, 256);
+                let q = random_linear(&mut rng, n, k, bits, 32);
+                let p = pack(&q, bits, layout).unwrap();
+                for dtype in [DType::F32, DType::BF16] {
+                    let from_codes = decode_codes(&q, dtype, &dev).unwrap();
+                    let stored = decode_stored(&p, n, k, bits, layout, dtype, &dev).unwrap();
+                    let bits_of = |t: &Tensor| -> Vec<u32> {
+                        t.to_dtype(DType::F32)
+                            .unwrap()
+                            .flatten_all()
+                            .unwrap()
+                            .to_vec1::<f32>()
+                            .unwrap()
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect()
+                    };
+                    assert_eq!(
+                        bits_of(&from_codes),
+                        bits_of(&stored),
+                        "{bits} bits, {layout:?}, {dtype:?}"
+                    );
+                }
+            }
+        }
+    }
 }

@@ -6,8 +6,9 @@
 //! accumulating one Hessian per distinct input, solve each Linear, and put the dequantized
 //! weights back so later subsets and the next layer see the quantized model. Each finished layer
 //! is written to a journal inside `<out>.partial` (its packed tensors and report rows, with hashes
-//! of everything that determines it), so `--resume` can continue after a crash; the journal is
-//! then assembled into the final sharded GPTQ checkpoint and the folder renamed into place.
+//! of everything that determines it), so `--resume` can continue after a crash; the sharded GPTQ
+//! checkpoint is streamed from the journal while the next layers compute (`stream.rs`), then the
+//! config and side files are added and the folder renamed into place.
 
 mod card;
 mod journal;
@@ -15,6 +16,7 @@ mod layers;
 pub mod plan;
 mod report;
 pub mod stages;
+mod stream;
 
 use crate::calib::{self, CalibSpec, ChatFormat};
 use crate::checkpoint::guard::{self, InputPath};
@@ -225,7 +227,8 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     let cfg = AnyConfig::from_file(&src.dir.join("config.json"))?;
     let ck = Checkpoint::open(&src.dir)?;
     ck.validate_exact(&cfg.expected_tensors())?;
-    ck.check_finite()?;
+    // Every weight finite and the shards' SHA-256, beside the setup and the first layers.
+    let mut source_checks = journal::SourceChecks::start(&src.dir);
     let tok_path = src.dir.join("tokenizer.json");
     crate::checkpoint::guard::regular_file(&tok_path, "tokenizer")?;
     let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
@@ -380,8 +383,14 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     )?;
 
     // Hashes that pin down the output, for the journal and the report.
-    let hashes = journal::Hashes::compute(&src.dir, &ck, &settings, &calib.sha256)?;
-    crate::source::verify_shards(&src.dir, &hashes.source_sha256)?;
+    // The source shards' hashes join them when the checks finish: before a resumed run
+    // compares its journal, or before a fresh run first saves one.
+    let mut hashes = journal::Hashes::new(&src.dir, BTreeMap::new(), &settings, &calib.sha256)?;
+    if opts.resume {
+        if let Some(sums) = source_checks.finish()? {
+            hashes.source_sha256 = sums;
+        }
+    }
 
     let jdir = out.path().join("journal");
     let journal_exists = jdir.join("journal.json").is_file();
@@ -412,19 +421,53 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     if opts.device.is_cuda() {
         crate::kernels::cuda::keep_pool_memory(&opts.device)?;
     }
-    let mut stages = Stages::default();
-    let result = layers::LayerRun {
-        opts,
-        cfg: &cfg,
-        ck: &ck,
-        windows: &calib.windows,
-        plan: &plan,
-        layout,
-        quant,
-        jdir: &jdir,
-    }
-    .run(&mut journal, &mut stages);
+    let mut stages = Stages {
+        setup: t0.elapsed().as_secs_f64(),
+        ..Stages::default()
+    };
+    // The layer loop, with the shards streamed beside it (stream.rs).
+    let out_dir = out.path().to_path_buf();
+    let (result, streamed, t_write) = std::thread::scope(|s| {
+        let (feed, rx) = stream::channel();
+        let (specs, ck_ref, jdir_ref) = (&specs, &ck, &jdir);
+        let writer = s.spawn(move || {
+            stream::write_stream(&out_dir, specs, opts.shard_bytes, ck_ref, jdir_ref, rx)
+        });
+        let result = layers::LayerRun {
+            opts,
+            cfg: &cfg,
+            ck: &ck,
+            windows: &calib.windows,
+            plan: &plan,
+            layout,
+            quant,
+            jdir: &jdir,
+            feed: &feed,
+        }
+        .run(&mut journal, &mut stages, &mut source_checks);
+        drop(feed);
+        let t_write = Instant::now();
+        let streamed = writer
+            .join()
+            .map_err(|_| anyhow!("the shard writer thread panicked"))
+            .and_then(|r| r);
+        (result, streamed, t_write)
+    });
+    let result = match (result, &streamed) {
+        // The loop stopped because the writer had: the writer's error is the one to report.
+        (Err(e), Err(w)) if e.root_cause().is::<stream::WriterStopped>() => Err(anyhow!("{w:#}")),
+        (r, _) => r,
+    };
+    let result = result.and_then(|()| {
+        if let Some(sums) = source_checks.finish()? {
+            journal.hashes.source_sha256 = sums;
+            journal.save(&jdir)?;
+        }
+        Ok(())
+    });
     if let Err(e) = result {
+        // A damaged source fails with what the checks found, whatever the layers ran into.
+        source_checks.finish()?;
         if !journal.layers.is_empty() {
             out.keep_on_failure(true);
             return Err(e.context(format!(
@@ -435,6 +478,9 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         }
         return Err(e);
     }
+    stages.source_checks = source_checks.seconds;
+    stages.source_checks_wait = source_checks.waited;
+    let hashes = journal.hashes.clone();
 
     // Every layer is in the journal from here on: whatever fails while the output is written
     // (a full disk, say), the partial folder is kept and --resume writes it.
@@ -448,9 +494,9 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         ))
     };
     let finish = (|| -> Result<QuantizeReport> {
-        // Assemble the checkpoint from the journal.
+        // The shards were streamed during the loop; the rest of the checkpoint now.
+        let shards = streamed?;
         let pb = crate::progress::bar(1, "write");
-        let t_write = Instant::now();
         let damp_max = journal
             .layers
             .iter()
@@ -465,9 +511,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
             &calib.sha256,
         )?;
         let (config, config_edits) = output_config(&src_config, &qc, opts.engine);
-        assemble(
-            &mut out, &src.dir, &ck, &specs, &journal, &jdir, opts, &config, &side,
-        )?;
+        assemble(&mut out, &src.dir, &shards, &config, &side)?;
         // The engine check again, on the files as written.
         let engine_check = match opts.engine {
             Some(target) => {
@@ -779,44 +823,18 @@ fn planned_view(
     }
 }
 
-/// Writes the checkpoint from the journal into `out`: shards and index, config.json,
-/// quantize_config.json, and the source's side files copied byte for byte.
-#[allow(clippy::too_many_arguments)]
+/// Completes the checkpoint in `out` around the shards the stream wrote: their hashes for the
+/// manifest, config.json, quantize_config.json, and the source's side files copied byte for
+/// byte.
 fn assemble(
     out: &mut OutputDir,
     src_dir: &Path,
-    ck: &Checkpoint,
-    specs: &[TensorSpec],
-    journal: &Journal,
-    jdir: &Path,
-    opts: &QuantizeOptions,
+    shards: &[writer::HashedFile],
     config: &serde_json::Value,
     side: &[String],
 ) -> Result<()> {
     let dir = out.path().to_path_buf();
-    let layer_files: BTreeMap<usize, Checkpoint> = journal
-        .layers
-        .iter()
-        .map(|l| Ok((l.index, journal::open_layer_file(jdir, l)?)))
-        .collect::<Result<_>>()?;
-    let shards = writer::write_sharded_parallel(&dir, specs, opts.shard_bytes, |spec| {
-        let bytes = if ck.contains(&spec.name) {
-            ck.bytes(&spec.name)?
-        } else {
-            let layer: usize = spec
-                .name
-                .split('.')
-                .nth(2)
-                .and_then(|s| s.parse().ok())
-                .expect("layer tensor");
-            let file = layer_files
-                .get(&layer)
-                .ok_or_else(|| anyhow!("internal error: layer {layer} has no journal file"))?;
-            file.bytes(&spec.name)?
-        };
-        Ok(bytes.into())
-    })?;
-    out.record_hashed(&shards);
+    out.record_hashed(shards);
     writer::write_file(
         &dir.join("config.json"),
         serde_json::to_string_pretty(config)?.as_bytes(),

@@ -11,6 +11,14 @@ use std::time::Instant;
 /// Seconds per stage, summed over layers.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Stages {
+    /// From the start of the command to the first layer: resolving and opening the source,
+    /// the checks, the engine pre-check, the calibration windows, waiting for the source checks.
+    pub setup: f64,
+    /// The source checks (every weight finite, the shards' SHA-256), on a thread beside the rest
+    /// of the setup: their own duration.
+    pub source_checks: f64,
+    /// Of `setup`: the wait for the source checks after the calibration windows were ready.
+    pub source_checks_wait: f64,
     /// Decoder-layer weights from the (memory-mapped) checkpoint to the compute device.
     pub load: f64,
     /// Embedding load and the embedding of the calibration windows.
@@ -31,8 +39,9 @@ pub struct Stages {
     pub column_loop: f64,
     /// The least-squares scale refit (`--refit`).
     pub refit: f64,
-    /// Packing the codes and decoding the stored weights back into the layer.
-    pub pack: f64,
+    /// Decoding each solved module's weights (from its codes, as a server would from the
+    /// stored tensors) back into the layer; the codes are packed on the journal thread.
+    pub decode: f64,
     /// The relative output error of each module (report only).
     pub report: f64,
     /// Writing the journal of finished layers.
@@ -110,8 +119,9 @@ pub struct Preflight {
     /// Estimated wall seconds at the effective rates below.
     pub seconds: f64,
     /// The effective rates the estimate assumes: forward, XᵀX and factorization in TFLOP/s,
-    /// packing and writing the output in GB/s. On CUDA these are what an H200 achieved
-    /// end to end (docs/benchmarks.md); on the CPU rough per-core figures.
+    /// and everything else (column loop, decode, report, load, setup, the write's tail) in GB
+    /// of output per second. On CUDA these are what an H100 achieved end to end
+    /// (docs/benchmarks.md); on the CPU rough per-core figures.
     pub assumed_rates: (f64, f64, f64, f64),
 }
 
@@ -167,9 +177,13 @@ impl Preflight {
         let b = batch.min(windows).max(1) as u64;
         let t = seqlen as u64;
         let heads = cfg.num_attention_heads as u64;
-        // Sparse layers: f32 scores, masked scores and probabilities for one batch; MLP: gate,
-        // up and their product.
-        let attn = 3 * b * heads * t * t * 4;
+        // Sparse layers: f32 scores, masked scores and probabilities for one batch (none with
+        // the fused attention kernel, BF16 on a GPU); MLP: gate, up and their product.
+        let attn = if device.is_cuda() && dtype == DType::BF16 {
+            0
+        } else {
+            3 * b * heads * t * t * 4
+        };
         let mlp = 3 * b * t * cfg.intermediate_size as u64 * e;
         let forward_bytes = attn.max(mlp) + 4 * b * t * h * 4;
         // True-sequential: each stage input is computed once (see `run_layers`), so one pass
@@ -197,16 +211,17 @@ impl Preflight {
         // The MSE range search: 80 candidate ranges per weight.
         let mse_evals = if mse { 80.0 * linear_params } else { 0.0 };
         let output_bytes = (linear_params / 2.0) as u64 + embed_head_bytes;
-        // Effective rates: measured on an H200 for CUDA (tensor-core XᵀX, the f64
-        // factorizations, and the CPU-side packing, hashing and writing; the BF16 forward with
-        // its attention and chunk-parallel Simple-GLA on an H100: 4.65e15 FLOP in 19.7-20.6 s;
-        // on an H100 too the MSE search at ~1e11 candidate evaluations per second and GPTAQ's
-        // f32 products at ~24 TFLOP/s; docs/benchmarks.md); rough per-core figures on the CPU
+        // Effective rates, end to end on an H100 for CUDA (docs/benchmarks.md): the BF16 forward
+        // with the fused attention and the chunk-parallel Simple-GLA (4.65e15 FLOP in 13.9 s),
+        // tensor-core XᵀX, the f64 factorizations, the MSE search's extra ~2.7 s (~2.6e11
+        // candidate evaluations per second), GPTAQ's f32 products at ~24 TFLOP/s, and, per
+        // output byte, everything else (the plain column loop, decode, report, load, setup and
+        // what is left of the write after the last layer); rough per-core figures on the CPU
         // (~5e7 MSE evaluations/s and ~0.03 TFLOP/s per core).
         let (rates, mse_rate, corr_rate) = if device.is_cuda() {
-            let fwd = if dtype == DType::F32 { 30.0 } else { 230.0 };
-            let xtx = if dtype == DType::F32 { 40.0 } else { 650.0 };
-            ((fwd, xtx, 17.0, 0.2), 1e11, 24e12)
+            let fwd = if dtype == DType::F32 { 30.0 } else { 330.0 };
+            let xtx = if dtype == DType::F32 { 40.0 } else { 680.0 };
+            ((fwd, xtx, 25.0, 0.53), 2.6e11, 24e12)
         } else {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
             (

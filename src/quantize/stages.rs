@@ -213,14 +213,17 @@ impl Preflight {
         let output_bytes = (linear_params / 2.0) as u64 + embed_head_bytes;
         // Effective rates, end to end on an H100 for CUDA (docs/benchmarks.md): the BF16 forward
         // with the fused attention and the chunk-parallel Simple-GLA (4.65e15 FLOP in 13.9 s),
-        // tensor-core XᵀX, the f64 factorizations, the MSE search's extra ~2.7 s (~2.6e11
+        // tensor-core XᵀX on the upper blocks (5.35e15 full-matrix FLOP in 4.46 s), the f64
+        // factorizations, the MSE search's extra ~2.7 s (~2.6e11
         // candidate evaluations per second), GPTAQ's f32 products at ~24 TFLOP/s, and, per
         // output byte, everything else (the plain column loop, decode, report, load, setup and
         // what is left of the write after the last layer); rough per-core figures on the CPU
         // (~5e7 MSE evaluations/s and ~0.03 TFLOP/s per core).
         let (rates, mse_rate, corr_rate) = if device.is_cuda() {
             let fwd = if dtype == DType::F32 { 30.0 } else { 330.0 };
-            let xtx = if dtype == DType::F32 { 40.0 } else { 680.0 };
+            // Full-matrix FLOPs per second: only the blocks on and above the diagonal are
+            // computed (kernels::cuda::xtx_add_upper).
+            let xtx = if dtype == DType::F32 { 40.0 } else { 1200.0 };
             ((fwd, xtx, 25.0, 0.53), 2.6e11, 24e12)
         } else {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;

@@ -40,6 +40,8 @@
 #           on the GPU by both and on the CPU (codes compared, scored), two GPU runs and a
 #           stopped-and-resumed GPU run compared byte for byte, then the 9.5B at 128 x 2048 by
 #           both, one after the other: their stage tables
+#   marlincmp  pack-marlin of the 9.5B output by .gpu/soar-base.xz and by this build,
+#           alternating, twice each; outputs compared
 #   serve   the 9.5B output for SGLang: inspect --engine for each engine, pack-marlin and its
 #           legacy-marlin check; config, model card and verdicts come back
 # Logs and reports go to $OUT (default /tmp/gpu-bench).
@@ -296,6 +298,24 @@ json.dump(r,open('$OUT/e2e${n}_report.json','w'),indent=1)
     done
     same_files /tmp/wm-soar-gptq /tmp/wm-soar-old "pack-marlin"
     rm -rf /tmp/wm-soar-old /tmp/wm-soar-gptq
+    ;;
+  marlincmp)
+    # pack-marlin of the 9.5B output by .gpu/soar-base.xz and by this build, alternating, twice
+    # each; outputs compared through their manifests.
+    log "marlincmp"
+    B=/tmp/sala9b
+    [ -f $B/config.json ] || timed "$SG" synth --preset minicpm-sala-9b --out $B 2>&1 | tail -2 | tee -a "$OUT/summary.txt"
+    rm -rf /tmp/wq /tmp/wq.partial
+    timed "$SG" quantize --model $B --out /tmp/wq --device cuda > /dev/null 2> /tmp/wq.err
+    grep wall /tmp/wq.err | tee -a "$OUT/summary.txt"
+    for bin in soar-base soar-gptq soar-base soar-gptq; do
+      rm -rf /tmp/wm-$bin
+      timed "$G/$bin" pack-marlin --in /tmp/wq --out /tmp/wm-$bin > /tmp/wm-$bin.txt 2>&1
+      echo "$bin pack-marlin rc $?" | tee -a "$OUT/summary.txt"
+      grep -E "^time|wall" /tmp/wm-$bin.txt | tee -a "$OUT/summary.txt"
+    done
+    same_files /tmp/wm-soar-gptq /tmp/wm-soar-base "pack-marlin, previous build vs this one"
+    rm -rf /tmp/wm-soar-base /tmp/wm-soar-gptq /tmp/wq
     ;;
   gptaq)
     log "gptaq"

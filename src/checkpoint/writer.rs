@@ -91,13 +91,13 @@ fn shard_name(i: usize, n: usize) -> String {
 
 /// Writes one shard: the header, then each tensor's bytes as `next` hands them over in `group`
 /// order (`next(ti, w)` writes tensor `ti` into `w`), hashing as it goes; synced before it
-/// returns. With `sync_every`, the data written so far is also synced whenever that many bytes
-/// have been added since the last sync, so a shard written over a long run leaves little for the
-/// final sync.
+/// returns. With `writeback_every`, the disk writeback of the data written so far is started
+/// whenever that many bytes have been added since the last start ([`start_writeback`]), so the
+/// disk works while the shard's later tensors are produced and the final sync has little left.
 fn write_shard(
     path: &Path,
     group: &[&TensorSpec],
-    sync_every: Option<u64>,
+    writeback_every: Option<u64>,
     mut next: impl FnMut(usize, &mut dyn Write) -> Result<()>,
 ) -> Result<HashedFile> {
     let f =
@@ -129,11 +129,11 @@ fn write_shard(
             crate::fault::write_point("half a shard written")
                 .with_context(|| format!("cannot write {} (disk full?)", path.display()))?;
         }
-        if let Some(every) = sync_every {
+        if let Some(every) = writeback_every {
             if w.written - synced >= every {
                 w.inner
                     .flush()
-                    .and_then(|()| w.inner.get_ref().sync_data())
+                    .and_then(|()| start_writeback(w.inner.get_ref(), synced, w.written - synced))
                     .with_context(|| format!("cannot write {} (disk full?)", path.display()))?;
                 synced = w.written;
             }
@@ -152,6 +152,33 @@ fn write_shard(
         sha256: hex(&hash.finalize()),
         size,
     })
+}
+
+/// How often the writers start the disk writeback of what they wrote (see [`write_shard`]).
+pub const WRITEBACK_EVERY: u64 = 256 << 20;
+
+/// Starts writing `len` bytes of `file` from `offset` to the disk without waiting for it
+/// (Linux `sync_file_range(SYNC_FILE_RANGE_WRITE)`; elsewhere nothing: the final sync does it
+/// all). The data is still synced before the file counts as written.
+fn start_writeback(file: &std::fs::File, offset: u64, len: u64) -> std::io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        let r = unsafe {
+            libc::sync_file_range(
+                file.as_raw_fd(),
+                offset as libc::off64_t,
+                len as libc::off64_t,
+                libc::SYNC_FILE_RANGE_WRITE,
+            )
+        };
+        if r != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (file, offset, len);
+    Ok(())
 }
 
 /// `model.safetensors.index.json` for shards `groups` (named by [`shard_name`]).
@@ -184,22 +211,22 @@ pub fn write_sharded(
     write_sharded_synced(dir, specs, max_shard_bytes, None, fill)
 }
 
-/// [`write_sharded`], syncing each shard whenever `sync_every` more bytes were written (see
-/// [`write_shard`]): for a writer that runs beside the computation that produces its tensors
-/// (quantize streams its shards while the layers are solved), so that the data reaches the disk
-/// during the run and the final sync is short.
+/// [`write_sharded`], starting each shard's disk writeback whenever `writeback_every` more bytes
+/// were written (see [`write_shard`]): for a writer that runs beside the computation that
+/// produces its tensors (quantize streams its shards while the layers are solved), so that the
+/// data reaches the disk during the run and the final sync is short.
 pub fn write_sharded_synced(
     dir: &Path,
     specs: &[TensorSpec],
     max_shard_bytes: u64,
-    sync_every: Option<u64>,
+    writeback_every: Option<u64>,
     mut fill: impl FnMut(&TensorSpec, &mut dyn Write) -> Result<()>,
 ) -> Result<Vec<HashedFile>> {
     let groups = shard_groups(specs, max_shard_bytes);
     let mut files = vec![];
     for (i, group) in groups.iter().enumerate() {
         let path = dir.join(shard_name(i, groups.len()));
-        files.push(write_shard(&path, group, sync_every, |ti, w| {
+        files.push(write_shard(&path, group, writeback_every, |ti, w| {
             fill(group[ti], w)
         })?);
     }
@@ -212,8 +239,10 @@ const PARALLEL_WINDOW_BYTES: u64 = 512 << 20;
 
 /// [`write_sharded`] on all cores: shards are written at the same time, and within a shard the
 /// tensors of a window (up to [`PARALLEL_WINDOW_BYTES`], at least one tensor) are produced in
-/// parallel, then written in order. `produce` returns a tensor's bytes (borrowed from a mapped
-/// file, or computed). The files are byte-identical to [`write_sharded`]'s.
+/// parallel, then written in order; each shard's disk writeback is started every
+/// [`WRITEBACK_EVERY`] bytes, so the disk works while later tensors are produced. `produce`
+/// returns a tensor's bytes (borrowed from a mapped file, or computed). The files are
+/// byte-identical to [`write_sharded`]'s.
 pub fn write_sharded_parallel<'a>(
     dir: &Path,
     specs: &'a [TensorSpec],
@@ -230,7 +259,7 @@ pub fn write_sharded_parallel<'a>(
             let mut ready: std::collections::VecDeque<std::borrow::Cow<'a, [u8]>> =
                 Default::default();
             let mut next_window = 0usize;
-            write_shard(&path, group, None, |ti, w| {
+            write_shard(&path, group, Some(WRITEBACK_EVERY), |ti, w| {
                 if ti == next_window {
                     let mut end = ti;
                     let mut bytes = 0u64;

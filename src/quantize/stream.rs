@@ -2,8 +2,9 @@
 //! thread beside the layer loop walks the output's tensors in file order, copying the source's
 //! tensors (embedding, norms, head, Linears kept in 16 bits) as soon as it reaches them and each
 //! quantized Linear's tensors as soon as its layer is in the journal. Shards are hashed while
-//! they are written and synced every [`SYNC_EVERY`] bytes, so when the last layer is done only
-//! its tensors and the trailing source tensors are left to write.
+//! they are written, and their disk writeback is started every [`writer::WRITEBACK_EVERY`]
+//! bytes, so when the last layer is done only its tensors and the trailing source tensors are
+//! left to write.
 //!
 //! The shards are byte-identical to what [`writer::write_sharded`] writes from the finished
 //! journal (the layout is fixed by the tensor list alone), so a resumed run, which hands the
@@ -18,9 +19,6 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::Arc;
-
-/// The written data is synced each time this many more bytes are in a shard.
-pub const SYNC_EVERY: u64 = 256 << 20;
 
 /// A layer whose journal file is complete (its entry in `journal.json`).
 pub type LayerReady = JournalLayer;
@@ -105,27 +103,33 @@ fn write_from(
     // Layer files delivered and not yet used up, by layer index.
     let mut open: BTreeMap<usize, Checkpoint> = BTreeMap::new();
     let mut last_layer = None;
-    writer::write_sharded_synced(dir, specs, max_shard_bytes, Some(SYNC_EVERY), |spec, w| {
-        if ck.contains(&spec.name) {
-            w.write_all(ck.bytes(&spec.name)?)?;
-            return Ok(());
-        }
-        let layer = layer_of(&spec.name)?;
-        // Layers come in order, so a layer before this one is used up.
-        if last_layer != Some(layer) {
-            open.retain(|&i, _| i >= layer);
-            last_layer = Some(layer);
-        }
-        while !open.contains_key(&layer) {
-            let entry = layers
-                .recv()
-                .map_err(|_| anyhow!("the layer loop ended before layer {layer} was finished"))?;
-            let file = journal::open_layer_file(jdir, &entry)?;
-            open.insert(entry.index, file);
-        }
-        w.write_all(open[&layer].bytes(&spec.name)?)?;
-        Ok(())
-    })
+    writer::write_sharded_synced(
+        dir,
+        specs,
+        max_shard_bytes,
+        Some(writer::WRITEBACK_EVERY),
+        |spec, w| {
+            if ck.contains(&spec.name) {
+                w.write_all(ck.bytes(&spec.name)?)?;
+                return Ok(());
+            }
+            let layer = layer_of(&spec.name)?;
+            // Layers come in order, so a layer before this one is used up.
+            if last_layer != Some(layer) {
+                open.retain(|&i, _| i >= layer);
+                last_layer = Some(layer);
+            }
+            while !open.contains_key(&layer) {
+                let entry = layers.recv().map_err(|_| {
+                    anyhow!("the layer loop ended before layer {layer} was finished")
+                })?;
+                let file = journal::open_layer_file(jdir, &entry)?;
+                open.insert(entry.index, file);
+            }
+            w.write_all(open[&layer].bytes(&spec.name)?)?;
+            Ok(())
+        },
+    )
 }
 
 /// The decoder layer a quantized tensor (`model.layers.{i}.…`) belongs to.

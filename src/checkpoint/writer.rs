@@ -159,12 +159,13 @@ pub const WRITEBACK_EVERY: u64 = 256 << 20;
 
 /// Starts writing `len` bytes of `file` from `offset` to the disk without waiting for it
 /// (Linux `sync_file_range(SYNC_FILE_RANGE_WRITE)`; elsewhere nothing: the final sync does it
-/// all). The data is still synced before the file counts as written.
+/// all). Only a hint: a filesystem that refuses it is not an error, since the data is still
+/// synced before the file counts as written (and that sync reports real write errors).
 fn start_writeback(file: &std::fs::File, offset: u64, len: u64) -> std::io::Result<()> {
     #[cfg(target_os = "linux")]
     {
         use std::os::fd::AsRawFd;
-        let r = unsafe {
+        let _ = unsafe {
             libc::sync_file_range(
                 file.as_raw_fd(),
                 offset as libc::off64_t,
@@ -172,9 +173,6 @@ fn start_writeback(file: &std::fs::File, offset: u64, len: u64) -> std::io::Resu
                 libc::SYNC_FILE_RANGE_WRITE,
             )
         };
-        if r != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
     }
     #[cfg(not(target_os = "linux"))]
     let _ = (file, offset, len);

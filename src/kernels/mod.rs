@@ -4,7 +4,7 @@
 //!
 //! | kernel | CUDA (`cuda.rs`, `gptq.cu`) | CPU twin |
 //! |---|---|---|
-//! | XᵀX, BF16 in, f32 accumulate | cuBLAS GemmEx, `beta = 1` per 16 K rows | f32 matmul in `gptq::HessianAccumulator` |
+//! | XᵀX, BF16 in, f32 accumulate | cuBLAS GemmEx, `beta = 1` per 16 K rows, in place on the blocks on and above the diagonal (`xtx_add_upper`), the rest mirrored when read (`mirror_upper_blocks`) | f32 matmul in `gptq::HessianAccumulator` |
 //! | inverse Cholesky factor (f64) with damping escalation | cuSOLVER potrf + trtri | faer in `gptq/solver.rs` |
 //! | group parameters (min/max, MSE range search) | `find_params_tiled` (groups ≤ 128 columns staged in shared memory, 4 threads per row for the search), `find_params` (whole rows) | `gptq::QuantParams::find_row_params` |
 //! | the GPTQ column loop | fused in-block kernel (a warp per row) + one SGEMM per block | rayon + faer in `gptq/solver.rs` |

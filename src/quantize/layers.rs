@@ -87,13 +87,15 @@ impl LayerRun<'_> {
                     s.spawn(move || LayerLoader::prepare(nxt, ck, &names))
                 });
                 let r = pass.quantize_layer(i, cur);
-                let prepared = ready.map_or(Ok(false), |h| {
-                    h.join()
-                        .map_err(|_| anyhow!("the layer staging thread panicked"))?
-                });
-                r.and_then(|r| prepared.map(|_| r))
+                // A stage that could not be filled only means the next layer loads from the
+                // checkpoint.
+                let staged = ready.is_some_and(|h| matches!(h.join(), Ok(Ok(true))));
+                r.map(|r| (r, staged))
+            })
+            .map(|(r, staged)| {
+                loader.held = if staged { i + 1 } else { usize::MAX };
+                r
             })?;
-            loader.held = i + 1;
             // The previous layer's file was written while this layer computed.
             flush_pending(pending, journal, self.jdir, self.feed, checks)?;
             pass.stages.journal += pass.clock.lap()?;
@@ -262,13 +264,21 @@ impl<'r, 's> Pass<'r, 's> {
             AnyLayer::from_tensors(self.run.cfg, i, &get)
                 .with_context(|| format!("loading decoder layer {i}"))
         };
-        let mut layer = load()?;
-        // GPTAQ: the layer as the full-precision model has it, for the target inputs.
-        let fp_layer = if self.fp_states.is_empty() {
-            None
-        } else {
-            Some(load()?)
-        };
+        // GPTAQ: the layer as the full-precision model has it too, for the target inputs.
+        let loaded = load().and_then(|l| {
+            let fp = if self.fp_states.is_empty() {
+                None
+            } else {
+                Some(load()?)
+            };
+            Ok((l, fp))
+        });
+        // The stage's copies to the device are done before it can be refilled or freed, whether
+        // the load worked or not.
+        if staged.is_some() {
+            opts.device.synchronize()?;
+        }
+        let (mut layer, fp_layer) = loaded?;
         self.stages.load += self.clock.lap()?;
         let subsets: Vec<Vec<LinearGroup>> = if opts.true_sequential {
             LinearGroup::ALL.iter().map(|g| vec![*g]).collect()
@@ -623,7 +633,8 @@ impl LayerLoader {
                 }
                 bytes = bytes.max(sum);
             }
-            Self::pinned(&opts.device, bytes)?
+            // Without page-locked memory (a memlock limit, say) layers load from the checkpoint.
+            Self::pinned(&opts.device, bytes).unwrap_or(None)
         } else {
             None
         };

@@ -363,7 +363,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
             out.path(),
             total + quantized,
             &format!(
-                "{:.2} GB of shards and {:.2} GB of journal until they are assembled",
+                "{:.2} GB of shards and {:.2} GB of journal until the run ends",
                 total as f64 / 1e9,
                 quantized as f64 / 1e9
             ),

@@ -148,7 +148,7 @@ impl QuantizeReport {
         crate::outln!("calibration: {}", used.join(", "));
         if let Some(st) = &self.stages {
             crate::outln!(
-                "stages (s): setup {:.2} (source checks {:.2} beside it, {:.2} of them waited for), load {:.2}, embed {:.2}, forward {:.2} (sparse mixers {:.2}, lightning mixers {:.2}), Hessians {:.2} ({}), factorization {:.2}, column loop {:.2}, refit {:.2}, decode {:.2}, report {:.2}, journal {:.2}, write {:.2}",
+                "stages (s): setup {:.2} (source checks {:.2} beside the run, {:.2} waited for), load {:.2}, embed {:.2}, forward {:.2} (sparse mixers {:.2}, lightning mixers {:.2}), Hessians {:.2} ({}), factorization {:.2}, column loop {:.2}, refit {:.2}, decode {:.2}, report {:.2}, journal {:.2}, write {:.2}",
                 st.setup,
                 st.source_checks,
                 st.source_checks_wait,

@@ -12,12 +12,15 @@ use std::time::Instant;
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Stages {
     /// From the start of the command to the first layer: resolving and opening the source,
-    /// the checks, the engine pre-check, the calibration windows, waiting for the source checks.
+    /// the checks, the engine pre-check, the calibration windows (and, for `--resume`, waiting
+    /// for the source checks).
     pub setup: f64,
     /// The source checks (every weight finite, the shards' SHA-256), on a thread beside the rest
     /// of the setup: their own duration.
     pub source_checks: f64,
-    /// Of `setup`: the wait for the source checks after the calibration windows were ready.
+    /// How long the run waited for the source checks: when a fresh run first saves its journal
+    /// (after its first two layers; charged to `journal`), or before a resumed run replays its
+    /// journal (charged to `setup`).
     pub source_checks_wait: f64,
     /// Decoder-layer weights from the (memory-mapped) checkpoint to the compute device.
     pub load: f64,

@@ -26,15 +26,16 @@ pub type LayerReady = JournalLayer;
 /// The sending side: the layer loop tells the stream of each layer recorded in the journal.
 pub struct StreamFeed {
     tx: Sender<LayerReady>,
-    failed: Arc<AtomicBool>,
+    done: Arc<AtomicBool>,
 }
 
 impl StreamFeed {
-    /// Hands a recorded layer to the stream. Fails when the stream has failed, so the loop stops
-    /// early (the stream's own error is what the run reports, see [`write_stream`]); a stream
-    /// that has already written everything (every Linear kept in 16 bits) needs no more layers.
+    /// Hands a recorded layer to the stream. Fails when the stream has stopped without
+    /// finishing (an error or a panic), so the loop stops early (the stream's own error is what
+    /// the run reports, see [`write_stream`]); a stream that has already written everything
+    /// (every Linear kept in 16 bits) needs no more layers.
     pub fn layer_done(&self, entry: &JournalLayer) -> Result<()> {
-        if self.tx.send(entry.clone()).is_err() && self.failed.load(Ordering::SeqCst) {
+        if self.tx.send(entry.clone()).is_err() && !self.done.load(Ordering::SeqCst) {
             return Err(anyhow::Error::new(WriterStopped));
         }
         Ok(())
@@ -44,7 +45,8 @@ impl StreamFeed {
 /// The receiving side, for [`write_stream`].
 pub struct StreamInput {
     rx: Receiver<LayerReady>,
-    failed: Arc<AtomicBool>,
+    /// Set when every shard is written.
+    done: Arc<AtomicBool>,
 }
 
 /// The layer loop's error when the shard writer has stopped: the writer's own error says why.
@@ -62,13 +64,13 @@ impl std::error::Error for WriterStopped {}
 /// A feed and the receiving end for [`write_stream`].
 pub fn channel() -> (StreamFeed, StreamInput) {
     let (tx, rx) = std::sync::mpsc::channel();
-    let failed = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicBool::new(false));
     (
         StreamFeed {
             tx,
-            failed: failed.clone(),
+            done: done.clone(),
         },
-        StreamInput { rx, failed },
+        StreamInput { rx, done },
     )
 }
 
@@ -86,8 +88,8 @@ pub fn write_stream(
     input: StreamInput,
 ) -> Result<Vec<HashedFile>> {
     let r = write_from(dir, specs, max_shard_bytes, ck, jdir, &input.rx);
-    if r.is_err() {
-        input.failed.store(true, Ordering::SeqCst);
+    if r.is_ok() {
+        input.done.store(true, Ordering::SeqCst);
     }
     r
 }

@@ -337,62 +337,236 @@ fn allocate(n: usize, weights: &[f64]) -> Vec<usize> {
     alloc
 }
 
-/// Tokenizes each source (documents joined by blank lines, one pass) and draws windows of
-/// `seqlen` tokens at seeded random positions.
+/// The length of each calibration window: one length (`--seqlen 2048`), or lengths drawn
+/// log-uniformly between two (`--seqlen 4096..49152`, as long-context calibration runs use), so
+/// short and long contexts are both represented without long windows dominating the count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqLen {
+    Fixed(usize),
+    LogUniform { min: usize, max: usize },
+}
+
+impl SeqLen {
+    /// The longest window this can draw.
+    pub fn max(self) -> usize {
+        match self {
+            Self::Fixed(n) => n,
+            Self::LogUniform { max, .. } => max,
+        }
+    }
+
+    /// The shortest window this can draw.
+    pub fn min(self) -> usize {
+        match self {
+            Self::Fixed(n) => n,
+            Self::LogUniform { min, .. } => min,
+        }
+    }
+
+    /// The mean length, for estimates before the windows are drawn: `(max − min) / ln(max/min)`
+    /// for the log-uniform mix.
+    pub fn mean(self) -> f64 {
+        match self {
+            Self::Fixed(n) => n as f64,
+            Self::LogUniform { min, max } if min == max => min as f64,
+            Self::LogUniform { min, max } => (max - min) as f64 / (max as f64 / min as f64).ln(),
+        }
+    }
+
+    /// The length of each of `n` windows, drawn from their own seeded stream (so the window
+    /// positions, drawn from another, do not move when only the lengths change).
+    pub fn draw(self, n: usize, seed: u64) -> Vec<usize> {
+        match self {
+            Self::Fixed(len) => vec![len; n],
+            Self::LogUniform { min, max } => {
+                let mut rng = SplitMix64::new(seed ^ 0x1E46_7415);
+                let (lo, hi) = ((min as f64).ln(), (max as f64).ln());
+                (0..n)
+                    .map(|_| {
+                        let l = (lo + (hi - lo) * rng.unit()).exp().round() as usize;
+                        l.clamp(min, max)
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for SeqLen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Fixed(n) => write!(f, "{n}"),
+            Self::LogUniform { min, max } => write!(f, "{min}..{max}"),
+        }
+    }
+}
+
+/// A number for one length (as `--seqlen` always recorded it), `"MIN..MAX"` for a mix.
+impl Serialize for SeqLen {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            Self::Fixed(n) => s.serialize_u64(*n as u64),
+            Self::LogUniform { .. } => s.serialize_str(&self.to_string()),
+        }
+    }
+}
+
+impl std::str::FromStr for SeqLen {
+    type Err = String;
+
+    /// `N` (at least 2), or `MIN..MAX` with 2 ≤ MIN ≤ MAX.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let num = |x: &str| -> std::result::Result<usize, String> {
+            match x.trim().parse::<usize>() {
+                Ok(n) if n >= 2 => Ok(n),
+                _ => Err(format!(
+                    "{s} is not a window length: use a whole number of tokens of at least 2 \
+                     (e.g. 2048), or MIN..MAX for lengths drawn log-uniformly between two \
+                     (e.g. 4096..49152)"
+                )),
+            }
+        };
+        match s.split_once("..") {
+            None => Ok(Self::Fixed(num(s)?)),
+            Some((a, b)) => {
+                let (min, max) = (num(a)?, num(b)?);
+                if min > max {
+                    return Err(format!(
+                        "{s}: the shortest length {min} is above the longest {max}; write MIN..MAX"
+                    ));
+                }
+                Ok(if min == max {
+                    Self::Fixed(min)
+                } else {
+                    Self::LogUniform { min, max }
+                })
+            }
+        }
+    }
+}
+
+/// The forward batches of `windows`: runs of consecutive windows of one length (a batch is one
+/// `[B, T]` tensor), at most `batch` windows each. With one length this is `chunks(batch)`.
+pub fn batch_ranges(windows: &[Vec<u32>], batch: usize) -> Vec<std::ops::Range<usize>> {
+    let batch = batch.max(1);
+    let mut out = vec![];
+    let mut start = 0;
+    for i in 1..=windows.len() {
+        if i == windows.len() || i - start == batch || windows[i].len() != windows[start].len() {
+            out.push(start..i);
+            start = i;
+        }
+    }
+    out
+}
+
+/// One source's documents as a token stream (documents joined by blank lines, tokenized once).
+struct Stream {
+    ids: Vec<u32>,
+}
+
+/// Tokenizes each source (documents joined by blank lines, one pass) and draws `nsamples`
+/// windows whose lengths `lengths` gives, at seeded random positions: windows are split over
+/// the sources by weight, and a window lies inside its source's stream where the stream is long
+/// enough. A window longer than its source is packed (docs/calibration.md, Long windows): the
+/// whole source, then spans of further sources drawn by weight, each as long as the source or
+/// what is left to fill, joined by the tokens of a blank line.
 pub fn build_windows(
     sources: &[Source],
     tokenizer: &tokenizers::Tokenizer,
     vocab_size: usize,
     nsamples: usize,
-    seqlen: usize,
+    lengths: SeqLen,
     seed: u64,
 ) -> Result<CalibSet> {
-    if nsamples == 0 || seqlen < 2 {
+    if nsamples == 0 || lengths.min() < 2 {
         bail!("--nsamples must be at least 1 and --seqlen at least 2");
     }
-    let alloc = allocate(
-        nsamples,
-        &sources.iter().map(|s| s.weight).collect::<Vec<_>>(),
-    );
-    let mut rng = SplitMix64::new(seed ^ 0x5EED_CA11);
-    let mut windows = vec![];
-    let mut usage = vec![];
-    for (src, &n) in sources.iter().zip(&alloc) {
-        let text = src.docs.join("\n\n");
+    let weights: Vec<f64> = sources.iter().map(|s| s.weight).collect();
+    let alloc = allocate(nsamples, &weights);
+    let tokenize = |text: &str, what: &str| -> Result<Vec<u32>> {
         let ids = tokenizer
-            .encode(text.as_str(), false)
-            .map_err(|e| anyhow!("cannot tokenize {}: {e}", src.name))?
+            .encode(text, false)
+            .map_err(|e| anyhow!("cannot tokenize {what}: {e}"))?
             .get_ids()
             .to_vec();
         if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab_size) {
             bail!(
-                "tokenizing {} produced id {bad}, beyond the model's vocab_size {vocab_size}",
-                src.name
+                "tokenizing {what} produced id {bad}, beyond the model's vocab_size {vocab_size}"
             );
         }
-        if n > 0 && ids.len() < seqlen {
-            bail!(
-                "calibration source {} has only {} tokens, fewer than one window of --seqlen {seqlen}: give more text, a smaller --seqlen, or a lower weight",
-                src.name,
-                ids.len()
-            );
+        Ok(ids)
+    };
+    let streams = sources
+        .iter()
+        .map(|src| {
+            Ok(Stream {
+                ids: tokenize(&src.docs.join("\n\n"), &src.name)?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let total_tokens: usize = streams.iter().map(|s| s.ids.len()).sum();
+    if total_tokens < lengths.max() {
+        match sources {
+            [only] => bail!(
+                "calibration source {} has only {total_tokens} tokens, fewer than one window of \
+                 --seqlen {}: give more text or a smaller --seqlen",
+                only.name,
+                lengths.max()
+            ),
+            _ => bail!(
+                "the calibration data holds {total_tokens} tokens in all, fewer than one window \
+                 of --seqlen {}: give more text or a smaller --seqlen",
+                lengths.max()
+            ),
         }
+    }
+    if let Some((src, _)) = sources
+        .iter()
+        .zip(&streams)
+        .zip(&alloc)
+        .find(|((_, st), &n)| n > 0 && st.ids.is_empty())
+        .map(|(x, _)| x)
+    {
+        bail!(
+            "calibration source {} has only 0 tokens: give it text, or leave it out",
+            src.name
+        );
+    }
+    let separator = tokenize("\n\n", "a blank line")?;
+    let window_lengths = lengths.draw(nsamples, seed);
+    let mut rng = SplitMix64::new(seed ^ 0x5EED_CA11);
+    let mut windows = Vec::with_capacity(nsamples);
+    let mut used = vec![0usize; sources.len()];
+    let mut next = 0;
+    for (si, &n) in alloc.iter().enumerate() {
         for _ in 0..n {
-            let start = rng.below(ids.len() - seqlen + 1);
-            windows.push(ids[start..start + seqlen].to_vec());
+            let len = window_lengths[next];
+            next += 1;
+            let ids = &streams[si].ids;
+            if ids.len() >= len {
+                let start = rng.below(ids.len() - len + 1);
+                windows.push(ids[start..start + len].to_vec());
+                used[si] += len;
+                continue;
+            }
+            windows.push(pack_window(
+                si, len, &streams, &weights, &separator, &mut rng, &mut used,
+            ));
         }
-        usage.push(SourceUsage {
+    }
+    let usage = sources
+        .iter()
+        .zip(&streams)
+        .zip(alloc.iter().zip(&used))
+        .map(|((src, st), (&n, &u))| SourceUsage {
             name: src.name.clone(),
             weight: src.weight,
-            tokens_available: ids.len(),
+            tokens_available: st.ids.len(),
             windows: n,
-            tokens_used: n * seqlen,
-        });
-    }
-    let total_tokens: usize = usage.iter().map(|u| u.tokens_available).sum();
-    if total_tokens < seqlen {
-        bail!("the calibration data holds {total_tokens} tokens in all, fewer than one window of --seqlen {seqlen}");
-    }
+            tokens_used: u,
+        })
+        .collect();
     let mut h = Sha256::new();
     for w in &windows {
         for id in w {
@@ -404,6 +578,56 @@ pub fn build_windows(
         usage,
         sha256: crate::checkpoint::writer::hex(&h.finalize()),
     })
+}
+
+/// A window of `len` tokens whose source `first` is shorter than it: all of `first`, then
+/// spans of sources drawn by weight (sources with no tokens never), each the whole source or the
+/// part of the window still empty, at seeded positions, with `separator` between spans. `used`
+/// counts each source's tokens taken.
+fn pack_window(
+    first: usize,
+    len: usize,
+    streams: &[Stream],
+    weights: &[f64],
+    separator: &[u32],
+    rng: &mut SplitMix64,
+    used: &mut [usize],
+) -> Vec<u32> {
+    let live: Vec<f64> = weights
+        .iter()
+        .zip(streams)
+        .map(|(&w, s)| if s.ids.is_empty() { 0.0 } else { w })
+        .collect();
+    let total: f64 = live.iter().sum();
+    let mut w: Vec<u32> = Vec::with_capacity(len + separator.len());
+    let mut src = first;
+    while w.len() < len {
+        if !w.is_empty() {
+            w.extend_from_slice(separator);
+            if w.len() >= len {
+                break;
+            }
+            let mut x = rng.unit() * total;
+            src = live
+                .iter()
+                .rposition(|&wt| wt > 0.0)
+                .expect("a source has tokens");
+            for (i, &wt) in live.iter().enumerate() {
+                if wt > 0.0 && x < wt {
+                    src = i;
+                    break;
+                }
+                x -= wt;
+            }
+        }
+        let ids = &streams[src].ids;
+        let take = (len - w.len()).min(ids.len());
+        let start = rng.below(ids.len() - take + 1);
+        w.extend_from_slice(&ids[start..start + take]);
+        used[src] += take;
+    }
+    w.truncate(len);
+    w
 }
 
 #[cfg(test)]

@@ -214,9 +214,10 @@ pub struct QuantizeArgs {
     /// Calibration windows.
     #[arg(long, default_value_t = 128, value_parser = parse_positive)]
     pub nsamples: usize,
-    /// Tokens per calibration window.
-    #[arg(long, default_value_t = 2048, value_parser = parse_positive)]
-    pub seqlen: usize,
+    /// Tokens per calibration window, or MIN..MAX for lengths drawn log-uniformly between two
+    /// (long-context calibration, docs/calibration.md); at most max_position_embeddings.
+    #[arg(long, default_value = "2048")]
+    pub seqlen: crate::calib::SeqLen,
     /// Seed for drawing calibration windows.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

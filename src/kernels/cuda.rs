@@ -32,9 +32,23 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use rayon::prelude::*;
 
-/// `gptq.cu` as a fatbin (SASS for the build's compute capability plus its PTX): the driver loads
-/// the machine code as is, with no JIT on first use (docs/gpu.md, No JIT on first use).
-static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/gptq.fatbin"));
+/// The kernel files as fatbins (SASS for the build's compute capability plus its PTX), by the
+/// name [`launch_in`] takes: the driver loads the machine code as is, with no JIT on first use
+/// (docs/gpu.md, No JIT on first use).
+static FATBINS: &[(&str, &[u8])] = &[
+    (
+        "gptq",
+        include_bytes!(concat!(env!("OUT_DIR"), "/gptq.fatbin")),
+    ),
+    (
+        "infllm",
+        include_bytes!(concat!(env!("OUT_DIR"), "/infllm.fatbin")),
+    ),
+    (
+        "gla",
+        include_bytes!(concat!(env!("OUT_DIR"), "/gla.fatbin")),
+    ),
+];
 
 /// Rows of X per GemmEx call when accumulating XᵀX; partial sums add in f32 (`beta = 1`).
 const XTX_CHUNK_ROWS: usize = 16384;
@@ -93,7 +107,19 @@ pub fn launch(
     cfg: LaunchConfig,
     args: &[&dyn KernelArg],
 ) -> Result<()> {
-    let f = kernel_module(dev)?
+    launch_in(dev, "gptq", name, cfg, args)
+}
+
+/// Launches `name` from the kernel file `file` (`gptq`, `infllm`, `gla`: `src/kernels/{file}.cu`)
+/// with the arguments pushed by `args`.
+pub fn launch_in(
+    dev: &CudaDevice,
+    file: &str,
+    name: &str,
+    cfg: LaunchConfig,
+    args: &[&dyn KernelArg],
+) -> Result<()> {
+    let f = kernel_module(dev, file)?
         .load_function(name)
         .with_context(|| format!("loading CUDA kernel {name}"))?;
     let stream = dev.cuda_stream();
@@ -127,16 +153,28 @@ pub fn launch_cfg(grid: (u32, u32, u32), block: (u32, u32, u32)) -> LaunchConfig
     }
 }
 
-/// The module of `gptq.cu`, loaded once per device ordinal (candle's devices share the primary
-/// context of their ordinal).
-fn kernel_module(dev: &CudaDevice) -> Result<Arc<CudaModule>> {
-    static MODULES: PerOrdinal<Arc<CudaModule>> = OnceLock::new();
-    per_ordinal(&MODULES, dev, |stream| {
-        stream
-            .context()
-            .load_module(Ptx::from_binary(FATBIN.to_vec()))
-            .context("loading the soar-gptq CUDA kernels (gptq.fatbin)")
-    })
+/// The module of `src/kernels/{file}.cu`, loaded once per device ordinal (candle's devices
+/// share the primary context of their ordinal).
+fn kernel_module(dev: &CudaDevice, file: &str) -> Result<Arc<CudaModule>> {
+    static MODULES: OnceLock<Mutex<HashMap<(usize, String), Arc<CudaModule>>>> = OnceLock::new();
+    let Some((_, bytes)) = FATBINS.iter().find(|(n, _)| *n == file) else {
+        bail!("internal: no CUDA kernel file {file}");
+    };
+    let key = (dev.cuda_stream().context().ordinal(), file.to_string());
+    let cache = MODULES.get_or_init(Default::default);
+    if let Some(m) = cache.lock().expect("module cache poisoned").get(&key) {
+        return Ok(m.clone());
+    }
+    let m = dev
+        .cuda_stream()
+        .context()
+        .load_module(Ptx::from_binary(bytes.to_vec()))
+        .with_context(|| format!("loading the soar-gptq CUDA kernels ({file}.fatbin)"))?;
+    cache
+        .lock()
+        .expect("module cache poisoned")
+        .insert(key, m.clone());
+    Ok(m)
 }
 
 /// One cuSOLVER handle per device ordinal, on that device's stream.

@@ -169,9 +169,41 @@ impl AnyConfig {
         }
     }
 
-    /// Refuses sequence lengths the forward pass cannot compute exactly: at or above
-    /// `sparse_config.dense_len` for MiniCPM-SALA, above `max_position_embeddings` (or a
-    /// sliding window in force) for the dense families.
+    /// Sets when MiniCPM-SALA's sparse layers run InfLLM-v2 (`--sparse-attention`); the dense
+    /// families have no sparse layers and take only `auto`.
+    pub fn set_sparse_attention(&mut self, mode: super::SparseAttention) -> Result<()> {
+        match self {
+            Self::Sala(c) => c.sparse_attention = mode,
+            Self::Dense(_) if mode == super::SparseAttention::Auto => {}
+            Self::Dense(c) => anyhow::bail!(
+                "--sparse-attention {} applies to MiniCPM-SALA's sparse layers; {} has none: \
+                 leave it at auto",
+                mode.name(),
+                c.family.architecture()
+            ),
+        }
+        Ok(())
+    }
+
+    /// The sparse-attention mode (always `auto` for the dense families).
+    pub fn sparse_attention(&self) -> super::SparseAttention {
+        match self {
+            Self::Sala(c) => c.sparse_attention,
+            Self::Dense(_) => super::SparseAttention::Auto,
+        }
+    }
+
+    /// Whether MiniCPM-SALA's sparse layers run InfLLM-v2 on a `t`-token sequence.
+    pub fn sparse_runs(&self, t: usize) -> bool {
+        match self {
+            Self::Sala(c) => c.sparse_runs(t) && c.mixer_types.iter().any(|m| m == "minicpm4"),
+            Self::Dense(_) => false,
+        }
+    }
+
+    /// Refuses sequence lengths the forward pass cannot compute exactly: above
+    /// `max_position_embeddings` (or, for MiniCPM-SALA, a `sparse_config` InfLLM-v2's kernels
+    /// cannot take at a length where it runs; for the dense families a sliding window in force).
     pub fn check_length(&self, t: usize) -> Result<()> {
         match self {
             Self::Sala(c) => c.check_length(t),

@@ -1,6 +1,7 @@
 //! `config.json` of MiniCPM-SALA, parsed from the values in the file (never from another
 //! implementation's defaults), and checked for consistency before anything is computed.
 
+use super::infllm::InfllmV2;
 use super::nn::{LinearGroup, LinearSpec};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -27,6 +28,29 @@ impl MixerKind {
         match self {
             Self::Sparse => "minicpm4",
             Self::Lightning => "lightning-attn",
+        }
+    }
+}
+
+/// When the sparse layers run InfLLM-v2 (`--sparse-attention`; docs/model.md, InfLLM-v2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum SparseAttention {
+    /// As the official code: dense below `sparse_config.dense_len`, InfLLM-v2 from it on.
+    #[default]
+    Auto,
+    /// InfLLM-v2 at every length, as SGLang serves with dense-as-sparse.
+    Always,
+    /// Dense attention at every length, as the vLLM ports compute the sparse layers.
+    Never,
+}
+
+impl SparseAttention {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Always => "always",
+            Self::Never => "never",
         }
     }
 }
@@ -107,6 +131,9 @@ pub struct Config {
     /// Present in quantized checkpoints; carried through untouched.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quantization_config: Option<serde_json::Value>,
+    /// Not a config key: when the sparse layers run InfLLM-v2, chosen by `--sparse-attention`.
+    #[serde(skip)]
+    pub sparse_attention: SparseAttention,
 }
 
 fn one() -> usize {
@@ -227,6 +254,31 @@ impl Config {
                 self.lightning_head_dim
             );
         }
+        // The official code builds the lightning layers from num_attention_heads and head_dim
+        // and never reads lightning_nh / lightning_head_dim: a config where they differ is a
+        // model it computes differently from what the keys say.
+        for (key, v, official, okey) in [
+            (
+                "lightning_nh",
+                self.lightning_nh,
+                self.num_attention_heads,
+                "num_attention_heads",
+            ),
+            (
+                "lightning_head_dim",
+                self.lightning_head_dim,
+                self.head_dim,
+                "head_dim",
+            ),
+        ] {
+            if v != official {
+                bail!(
+                    "{key} is {v} but {okey} is {official}: the official MiniCPM-SALA code builds \
+                     the lightning layers from {okey} and ignores {key}, so this config describes \
+                     a model it does not compute; make them equal"
+                );
+            }
+        }
         self.lightning_scale_value()?;
         if !(self.dim_model_base > 0.0
             && self.scale_emb.is_finite()
@@ -240,16 +292,47 @@ impl Config {
         Ok(())
     }
 
-    /// Refuses inputs the dense path cannot compute exactly.
+    /// Refuses a sequence length the model cannot take: above `max_position_embeddings`, or one
+    /// at which the sparse layers run InfLLM-v2 with a `sparse_config` its kernels cannot take.
     pub fn check_length(&self, t: usize) -> Result<()> {
-        let dense_len = self.sparse_config.dense_len;
-        if t >= dense_len {
+        if t > self.max_position_embeddings {
             bail!(
-                "sequence length {t} is at or above sparse_config.dense_len = {dense_len}: InfLLM-v2 sparse attention \
-                 is not implemented; use --seqlen below {dense_len}"
+                "sequence length {t} is above max_position_embeddings = {}: use --seqlen at most {}",
+                self.max_position_embeddings,
+                self.max_position_embeddings
             );
         }
+        if self.sparse_runs(t) && self.mixer_types.iter().any(|m| m == "minicpm4") {
+            self.infllm().with_context(|| {
+                format!(
+                    "sequences of {t} tokens run the sparse layers' InfLLM-v2 attention \
+                     (--sparse-attention {})",
+                    self.sparse_attention.name()
+                )
+            })?;
+        }
         Ok(())
+    }
+
+    /// Whether the sparse layers run InfLLM-v2 on a `t`-token sequence: at and above
+    /// `sparse_config.dense_len` as the official code does (`auto`), always (SGLang's
+    /// dense-as-sparse) or never (dense attention, as the vLLM ports compute it).
+    pub fn sparse_runs(&self, t: usize) -> bool {
+        match self.sparse_attention {
+            SparseAttention::Auto => t >= self.sparse_config.dense_len,
+            SparseAttention::Always => true,
+            SparseAttention::Never => false,
+        }
+    }
+
+    /// InfLLM-v2's settings, checked against what its kernels take.
+    pub fn infllm(&self) -> Result<InfllmV2> {
+        InfllmV2::new(
+            &self.sparse_config,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.sparse_head_dim(),
+        )
     }
 
     pub fn mixer(&self, layer: usize) -> MixerKind {
@@ -261,15 +344,20 @@ impl Config {
         self.hidden_size / self.num_attention_heads
     }
 
-    /// `lightning_scale`: "1/sqrt(d)" or a number.
+    /// `lightning_scale`: `"1/sqrt(d)"` or `"1/d"` of the head dimension. The official code
+    /// turns any other value (a number included) into 1.0 without a word; such configs are
+    /// refused rather than computed differently (docs/model.md, Config keys).
     pub fn lightning_scale_value(&self) -> Result<f64> {
-        let s = self.lightning_scale.trim();
-        if s == "1/sqrt(d)" {
-            return Ok(1.0 / (self.lightning_head_dim as f64).sqrt());
+        let d = self.lightning_head_dim as f64;
+        match self.lightning_scale.as_str() {
+            "1/sqrt(d)" => Ok(1.0 / d.sqrt()),
+            "1/d" => Ok(1.0 / d),
+            s => bail!(
+                "lightning_scale is {s:?}: the official MiniCPM-SALA code reads only \"1/sqrt(d)\" \
+                 and \"1/d\" and silently computes any other value (numbers included) as 1.0; \
+                 write one of the two, or \"1/sqrt(d)\" as the released model has"
+            ),
         }
-        s.parse::<f64>().map_err(|_| {
-            anyhow::anyhow!("lightning_scale is {s:?}: expected \"1/sqrt(d)\" or a number")
-        })
     }
 
     /// Residual branch multiplier r = scale_depth / sqrt(num_hidden_layers).

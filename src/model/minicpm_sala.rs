@@ -6,8 +6,9 @@
 //! hook that sees the input of each Linear group, and [`Model::head`]. Decoder layers are loaded
 //! one at a time ([`DecoderLayer::load`]) so only one layer's weights need to be in compute memory.
 
-use super::config::{Config, MixerKind};
+use super::config::{Config, MixerKind, SparseAttention};
 use super::gla;
+use super::infllm::{self, InfllmV2};
 use super::nn::{causal_mask, repeat_kv, rms_norm, rope, rope_inv_freq, Linear, LinearGroup};
 use crate::checkpoint::Checkpoint;
 use anyhow::{bail, Context, Result};
@@ -63,6 +64,32 @@ struct LayerConsts {
     rope_theta: f64,
     gla_scale: f64,
     gammas: Vec<f64>,
+    /// Sparse layers: when InfLLM-v2 runs, and its settings (None where `sparse_config` is
+    /// not one its kernels take; `Config::check_length` refuses the lengths that would need it).
+    sparse_attention: SparseAttention,
+    dense_len: usize,
+    infllm: Option<InfllmV2>,
+}
+
+impl LayerConsts {
+    /// InfLLM-v2's settings when it runs on a `t`-token sequence (docs/model.md, InfLLM-v2).
+    fn infllm_at(&self, t: usize) -> Result<Option<InfllmV2>> {
+        let runs = match self.sparse_attention {
+            SparseAttention::Auto => t >= self.dense_len,
+            SparseAttention::Always => true,
+            SparseAttention::Never => false,
+        };
+        if !runs {
+            return Ok(None);
+        }
+        match self.infllm {
+            Some(c) => Ok(Some(c)),
+            None => bail!(
+                "a {t}-token sequence needs InfLLM-v2 sparse attention, and this config's \
+                 sparse_config is not one its kernels take"
+            ),
+        }
+    }
 }
 
 impl DecoderLayer {
@@ -114,6 +141,9 @@ impl DecoderLayer {
                     rope_theta: cfg.rope_theta,
                     gla_scale: 0.0,
                     gammas: vec![],
+                    sparse_attention: cfg.sparse_attention,
+                    dense_len: cfg.sparse_config.dense_len,
+                    infllm: cfg.infllm().ok(),
                 },
             ),
             MixerKind::Lightning => (
@@ -149,6 +179,9 @@ impl DecoderLayer {
                     rope_theta: cfg.rope_theta,
                     gla_scale: cfg.lightning_scale_value()?,
                     gammas: gla::decays(cfg.lightning_nh),
+                    sparse_attention: cfg.sparse_attention,
+                    dense_len: cfg.sparse_config.dense_len,
+                    infllm: None,
                 },
             ),
         };
@@ -216,7 +249,10 @@ impl DecoderLayer {
                     qh = rope(&qh, &inv_freq)?;
                     kh = rope(&kh, &inv_freq)?;
                 }
-                let o = sparse_attention(&qh, &kh, &vh, self.differentiable)?;
+                let o = match c.infllm_at(t)? {
+                    Some(sc) => infllm_attention(&sc, &qh, &kh, &vh)?,
+                    None => sparse_attention(&qh, &kh, &vh, self.differentiable)?,
+                };
                 match gate {
                     Some(g) => (o * candle_nn::ops::sigmoid(&g.forward(&x)?)?)?,
                     None => o,
@@ -347,6 +383,14 @@ pub fn sparse_attention(
         }
     }
     sparse_attention_composed(q, k, v, differentiable)
+}
+
+/// InfLLM-v2 attention of a sparse layer (docs/model.md, InfLLM-v2): q `[B, T, H, D]`, k, v
+/// `[B, T, KV, D]` → `[B, T, H·D]` in q's dtype. On a GPU, for BF16 tensors, the fused kernels
+/// (block selection, then block-sparse flash attention; `kernels::cuda::infllm_*`, feature
+/// `cuda`); elsewhere the composed form [`infllm::attention`], their CPU twin.
+pub fn infllm_attention(cfg: &InfllmV2, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    infllm::attention(cfg, q, k, v)
 }
 
 /// [`sparse_attention`] as the reference computes it, differentiable: q, k, v cast to f32,

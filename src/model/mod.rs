@@ -3,13 +3,14 @@
 pub mod arch;
 pub mod config;
 pub mod gla;
+pub mod infllm;
 pub mod llama;
 pub mod llama_config;
 pub mod minicpm_sala;
 pub mod nn;
 
 pub use arch::{expected_bf16_tensors, AnyConfig, AnyLayer, AnyModel, SUPPORTED_ARCHITECTURES};
-pub use config::{Config, MixerKind};
+pub use config::{Config, MixerKind, SparseAttention};
 pub use minicpm_sala::{DecoderLayer, Model};
 pub use nn::{sequential, LinearGroup, LinearSpec};
 

@@ -177,10 +177,10 @@ impl<'r, 's> Pass<'r, 's> {
         let calibrate = opts.load_hessians.is_none() && opts.method.uses_hessians();
         let mut states = vec![];
         if calibrate {
-            let seqlen = run.windows[0].len();
-            for b in run.windows.chunks(opts.batch.max(1)) {
+            for r in crate::calib::batch_ranges(run.windows, opts.batch) {
+                let b = &run.windows[r];
                 let flat: Vec<u32> = b.iter().flatten().copied().collect();
-                let ids = Tensor::from_vec(flat, (b.len(), seqlen), &opts.device)?;
+                let ids = Tensor::from_vec(flat, (b.len(), b[0].len()), &opts.device)?;
                 states.push(model.embed(&ids)?);
             }
         }

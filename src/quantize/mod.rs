@@ -18,7 +18,7 @@ mod report;
 pub mod stages;
 mod stream;
 
-use crate::calib::{self, CalibSpec, ChatFormat};
+use crate::calib::{self, CalibSpec, ChatFormat, SeqLen};
 use crate::checkpoint::guard::{self, InputPath};
 use crate::checkpoint::writer::{self, OutputDir, TensorSpec};
 use crate::checkpoint::{Checkpoint, Dtype};
@@ -65,7 +65,8 @@ pub struct QuantizeOptions {
     pub sym: bool,
     pub damp: f64,
     pub nsamples: usize,
-    pub seqlen: usize,
+    /// Each window's length: one, or a log-uniform mix (`--seqlen MIN..MAX`).
+    pub seqlen: SeqLen,
     pub seed: u64,
     pub skip: Vec<String>,
     /// Per-module bits and group sizes (`--plan`: a JSON file with GPTQModel `dynamic` rules).
@@ -126,7 +127,7 @@ pub struct Settings {
     pub refit: bool,
     pub true_sequential: bool,
     pub nsamples: usize,
-    pub seqlen: usize,
+    pub seqlen: SeqLen,
     pub seed: u64,
     pub skip: Vec<String>,
     /// What `--plan` changes: `module=bits/group` or `module=keep` for every Linear it moves
@@ -248,7 +249,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
             opts.bits
         );
     }
-    cfg.check_length(opts.seqlen)
+    cfg.check_length(opts.seqlen.max())
         .with_context(|| format!("--seqlen {} is too long for this model", opts.seqlen))?;
     if opts.load_hessians.is_some() && opts.method == Method::Rtn {
         bail!("--load-hessians has no effect with --method rtn, which uses no Hessians");
@@ -531,7 +532,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         pb.finish_and_clear();
         let verify = if opts.verify {
             let popts = crate::eval::PplOptions {
-                seqlen: opts.seqlen.min(512),
+                seqlen: opts.seqlen.min().min(512),
                 max_windows: Some(16),
                 bos: false,
                 dtype: opts.dtype,

@@ -133,7 +133,7 @@ impl Preflight {
     pub fn estimate(
         cfg: &Config,
         windows: usize,
-        seqlen: usize,
+        seqlen: crate::calib::SeqLen,
         batch: usize,
         dtype: DType,
         device: &Device,
@@ -147,7 +147,7 @@ impl Preflight {
         let streams: u64 = if method == super::Method::Gptaq { 2 } else { 1 };
         let e = dtype.size_in_bytes() as u64;
         let h = cfg.hidden_size as u64;
-        let tokens = (windows * seqlen) as u64;
+        let tokens = (windows as f64 * seqlen.mean()).round() as u64;
         let hidden_states_bytes = tokens * h * e;
         let vocab = cfg.vocab_size as u64;
         let embed_head_bytes = 2 * vocab * h * e + h * e;
@@ -178,7 +178,7 @@ impl Preflight {
             linear_params += lin;
         }
         let b = batch.min(windows).max(1) as u64;
-        let t = seqlen as u64;
+        let t = seqlen.max() as u64;
         let heads = cfg.num_attention_heads as u64;
         // Sparse layers: f32 scores, masked scores and probabilities for one batch (none with
         // the fused attention kernel, BF16 on a GPU); MLP: gate, up and their product.
@@ -322,7 +322,7 @@ mod tests {
             let p = Preflight::estimate(
                 &cfg,
                 windows,
-                2048,
+                crate::calib::SeqLen::Fixed(2048),
                 8,
                 DType::BF16,
                 &Device::Cpu,

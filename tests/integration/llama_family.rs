@@ -3,8 +3,7 @@
 //! math; MiniCPM against the MiniCPM-SALA forward on the same weights; and synth, inspect,
 //! quantize, pack-marlin and eval-ppl run as a user runs them on small random models.
 
-mod common;
-use common::*;
+use crate::common::*;
 
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};

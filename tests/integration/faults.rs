@@ -3,8 +3,7 @@
 //! key given twice, FIFOs where files are expected. Each fails with exit 1 and a message that
 //! names the file and what is wrong.
 
-mod common;
-use common::*;
+use crate::common::*;
 
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -95,6 +95,7 @@ fn compare(dirs: &[PathBuf]) -> Vec<(f64, f64)> {
 }
 
 #[test]
+#[ignore = "slow: seven quantizations and eight evaluations of the fixture"]
 fn gptq_beats_rtn_at_4_and_3_bits_on_held_out_text() {
     let tmp = tempfile::tempdir().unwrap();
     let mut dirs = vec![];

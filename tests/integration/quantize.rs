@@ -1,8 +1,7 @@
 //! `quantize` run as a user runs it: the GPTQ checkpoint it writes, determinism,
 //! resume, its options, and every bad input failing cleanly without leaving an output behind.
 
-mod common;
-use common::*;
+use crate::common::*;
 
 use serde_json::Value;
 use soar_gptq::checkpoint::writer::{partial_path, sha256_file};

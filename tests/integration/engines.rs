@@ -5,8 +5,7 @@
 //! needs, copy the source's tokenizer and remote code byte for byte, refuse before any work
 //! when the engine could not load the result, and write a model card.
 
-mod common;
-use common::*;
+use crate::common::*;
 
 use serde_json::{json, Value};
 use soar_gptq::checkpoint::Checkpoint;

@@ -2,8 +2,7 @@
 //! llama.cpp's converter writes one (Q/K rows permuted for its RoPE, the tokenizer in the
 //! metadata) must come back as the Hugging Face checkpoint it was made from.
 
-mod common;
-use common::*;
+use crate::common::*;
 
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};

@@ -9,7 +9,8 @@
 //! states are the quantized model's (or the reference's) until the layer of its unit, where it
 //! branches off and runs on from there. The cost is about (layers / 2) evaluations.
 
-use crate::eval::{batch_nll, kl_and_agreement, log_probs, make_windows, LoadedModel, PplOptions};
+use crate::eval::score::{score_batch, PositionSums};
+use crate::eval::{make_windows, LoadedModel, PplOptions};
 use crate::format::quantized::{engine_name, exact_pattern};
 use crate::model::{AnyLayer, LinearGroup};
 use anyhow::{bail, Context, Result};
@@ -144,7 +145,7 @@ pub fn sensitivity(
 ) -> Result<SensitivityReport> {
     let t0 = Instant::now();
     let (dtype, device) = (opts.eval.dtype, &opts.eval.device);
-    let rlm = LoadedModel::open(reference)?;
+    let rlm = LoadedModel::open_with(reference, opts.eval.sparse_attention)?;
     if rlm.quant.is_some() {
         bail!(
             "--model {} is quantized: sensitivity compares a quantized checkpoint (--quantized) \
@@ -152,7 +153,7 @@ pub fn sensitivity(
             reference.display()
         );
     }
-    let qlm = LoadedModel::open(quantized)?;
+    let qlm = LoadedModel::open_with(quantized, opts.eval.sparse_attention)?;
     let Some((_, qmods)) = &qlm.quant else {
         bail!(
             "--quantized {} holds no quantization settings: give the GPTQ or Marlin checkpoint \
@@ -183,9 +184,10 @@ pub fn sensitivity(
     // Every variant's states, per batch of windows, as they leave the last layer done.
     let mut streams: BTreeMap<Variant, Vec<Tensor>> = BTreeMap::new();
     let mut embedded = vec![];
-    for b in windows.chunks(opts.eval.batch.max(1)) {
+    for r in crate::calib::batch_ranges(&windows, opts.eval.batch) {
+        let b = &windows[r];
         let flat: Vec<u32> = b.iter().flatten().copied().collect();
-        let ids = Tensor::from_vec(flat, (b.len(), windows[0].len()), device)?;
+        let ids = Tensor::from_vec(flat, (b.len(), b[0].len()), device)?;
         embedded.push(model.embed(&ids)?);
     }
     streams.insert(Variant::Reference, embedded.clone());
@@ -225,28 +227,32 @@ pub fn sensitivity(
     }
     pb.finish_and_clear();
 
-    // Scores: per batch the reference's log-probabilities once, then every variant's.
-    let batches: Vec<&[Vec<u32>]> = windows.chunks(opts.eval.batch.max(1)).collect();
-    let mut sums: BTreeMap<Variant, (f64, f64, usize)> = BTreeMap::new();
-    let (mut ref_nll, mut count) = (0.0, 0usize);
+    // Scores: per batch the reference's, then every variant's against it; the head runs a few
+    // thousand positions at a time (eval's protocol).
+    let batches: Vec<&[Vec<u32>]> = crate::calib::batch_ranges(&windows, opts.eval.batch)
+        .into_iter()
+        .map(|r| &windows[r])
+        .collect();
+    let mut sums: BTreeMap<Variant, PositionSums> = BTreeMap::new();
+    let mut rsums = PositionSums::default();
     for (bi, ws) in batches.iter().enumerate() {
-        let rlp = log_probs(&model, &streams[&Variant::Reference][bi])?;
-        let (s, c) = batch_nll(&rlp, ws)?;
-        ref_nll += s;
-        count += c;
+        let rh = &streams[&Variant::Reference][bi];
+        score_batch(&model, rh, None, ws, &mut rsums)?;
         for (v, states) in &streams {
             if *v == Variant::Reference {
                 continue;
             }
-            let lp = log_probs(&model, &states[bi])?;
-            let nll = batch_nll(&lp, ws)?.0;
-            let (kl, agree) = kl_and_agreement(&lp, &rlp)?;
-            let e = sums.entry(*v).or_default();
-            e.0 += nll;
-            e.1 += kl;
-            e.2 += agree;
+            score_batch(
+                &model,
+                &states[bi],
+                Some((&model, rh)),
+                ws,
+                sums.entry(*v).or_default(),
+            )?;
         }
     }
+    let (ref_nll, _, _, count) = rsums.range(0, usize::MAX);
+    let count = count as usize;
     let ref_ppl = (ref_nll / count as f64).exp();
     if !ref_ppl.is_finite() {
         bail!(
@@ -255,7 +261,7 @@ pub fn sensitivity(
         );
     }
     let score = |v: Variant| -> Score {
-        let (nll, kl, agree) = sums[&v];
+        let (nll, kl, agree, _) = sums[&v].range(0, usize::MAX);
         let ppl = (nll / count as f64).exp();
         Score {
             mean_kl: kl / count as f64,

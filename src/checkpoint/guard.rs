@@ -432,3 +432,39 @@ mod tests {
         OutputLock::acquire("--out", &out).unwrap();
     }
 }
+
+/// A file a command writes at a path the user named (interim form; see docs/safety.md).
+#[derive(Debug, Clone)]
+pub struct OutputFile {
+    flag: String,
+    path: PathBuf,
+}
+
+impl OutputFile {
+    /// Checks `path` as the output file of `flag` against `inputs`; `force` allows replacing
+    /// an existing regular file.
+    pub fn check(flag: &str, path: &Path, force: bool, inputs: &[InputPath]) -> Result<Self> {
+        check_output(flag, path, &[], inputs)?;
+        if let Ok(m) = std::fs::metadata(path) {
+            if !m.is_file() {
+                bail!("{flag} {} is not a regular file", path.display());
+            }
+            if !force {
+                bail!(
+                    "{flag} {} already exists: pass --force to replace it",
+                    path.display()
+                );
+            }
+        }
+        Ok(Self {
+            flag: flag.to_string(),
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Writes the file through a temporary file beside it.
+    pub fn write(&self, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+        crate::checkpoint::writer::write_atomic(&self.path, write)
+            .with_context(|| format!("writing {} {}", self.flag, self.path.display()))
+    }
+}

@@ -4,6 +4,7 @@
 use crate::checkpoint::writer::DEFAULT_SHARD_BYTES;
 use crate::device::DeviceSpec;
 use crate::eval::{PplOptions, DEFAULT_EVAL_TEXT};
+use crate::model::SparseAttention;
 use crate::scheme::{ActOrder, GroupSize};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
@@ -63,6 +64,12 @@ pub struct SensitivityArgs {
     /// Score at most this many windows.
     #[arg(long, default_value_t = 64, value_parser = parse_positive)]
     pub max_windows: usize,
+    /// When MiniCPM-SALA's sparse layers run InfLLM-v2: auto (as the official code: from
+    /// sparse_config.dense_len on), always (as SGLang serves with dense-as-sparse) or never
+    /// (dense attention, as the vLLM ports compute them).
+    #[arg(long, value_enum, default_value_t = SparseAttention::Auto)]
+    pub sparse_attention: SparseAttention,
+
     /// Units: block (per layer the attention Linears and the MLP Linears) or module (per
     /// module the engines load: qkv_proj, o_proj, the attention gate, gate_up_proj, down_proj).
     #[arg(long, value_enum, default_value_t = GranularityArg::Block)]
@@ -166,6 +173,19 @@ pub struct EvalPplArgs {
     /// Start every window with the BOS token.
     #[arg(long)]
     pub bos: bool,
+    /// When MiniCPM-SALA's sparse layers run InfLLM-v2: auto (as the official code: from
+    /// sparse_config.dense_len on), always (as SGLang serves with dense-as-sparse) or never
+    /// (dense attention, as the vLLM ports compute them).
+    #[arg(long, value_enum, default_value_t = SparseAttention::Auto)]
+    pub sparse_attention: SparseAttention,
+    /// Draw the mean KL divergence of every --compare model against the position in the
+    /// window as an SVG picture into this file.
+    #[arg(long, requires = "compare")]
+    pub plot: Option<PathBuf>,
+    /// Replace an existing --plot file.
+    #[arg(long)]
+    pub force: bool,
+
     /// auto, cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
     pub device: DeviceSpec,
@@ -218,6 +238,12 @@ pub struct QuantizeArgs {
     /// (long-context calibration, docs/calibration.md); at most max_position_embeddings.
     #[arg(long, default_value = "2048")]
     pub seqlen: crate::calib::SeqLen,
+    /// When MiniCPM-SALA's sparse layers run InfLLM-v2: auto (as the official code: from
+    /// sparse_config.dense_len on), always (as SGLang serves with dense-as-sparse) or never
+    /// (dense attention, as the vLLM ports compute them).
+    #[arg(long, value_enum, default_value_t = SparseAttention::Auto)]
+    pub sparse_attention: SparseAttention,
+
     /// Seed for drawing calibration windows.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -429,7 +455,7 @@ pub struct SynthArgs {
     /// A config.json to instantiate.
     #[arg(long, conflicts_with = "preset", required_unless_present = "preset")]
     pub config: Option<PathBuf>,
-    /// A built-in config: `tiny` or `minicpm-sala-9b`.
+    /// A built-in config: `tiny`, `tiny-sparse` (InfLLM-v2 from 512 tokens) or `minicpm-sala-9b`.
     #[arg(long)]
     pub preset: Option<String>,
     /// Output folder.
@@ -515,6 +541,7 @@ fn run(cli: Cli) -> Result<()> {
                 damp: a.damp,
                 nsamples: a.nsamples,
                 seqlen: a.seqlen,
+                sparse_attention: a.sparse_attention,
                 seed: a.seed,
                 skip: a.skip.clone(),
                 plan: a.plan.clone(),
@@ -666,6 +693,7 @@ fn run(cli: Cli) -> Result<()> {
                     dtype: compute_dtype(a.dtype, &device),
                     batch: a.batch,
                     device,
+                    sparse_attention: a.sparse_attention,
                 },
                 granularity: match a.granularity {
                     GranularityArg::Block => crate::sensitivity::Granularity::Block,
@@ -703,19 +731,57 @@ fn run(cli: Cli) -> Result<()> {
                 dtype: compute_dtype(a.dtype, &device),
                 batch: a.batch,
                 device,
+                sparse_attention: a.sparse_attention,
             };
             let text = read_eval_text(&a.data)?;
+            let plot = a
+                .plot
+                .as_ref()
+                .map(|p| plot_output(p, a.force, &src.dir, &a.compare, &a.data))
+                .transpose()?;
             let c = crate::eval::compare(&src.dir, &a.compare, &text, &opts)?;
+            if let Some(p) = &plot {
+                let models: Vec<(String, &crate::eval::PositionSums)> = c
+                    .compared
+                    .iter()
+                    .map(|m| (m.model.clone(), &m.sums))
+                    .collect();
+                let svg = crate::eval::plot::kl_by_position_svg(&models, opts.seqlen)?;
+                p.write(|tmp| Ok(std::fs::write(tmp, svg.as_bytes())?))?;
+            }
             if a.json && a.compare.is_empty() {
                 crate::outln!("{}", serde_json::to_string_pretty(&c.reference)?);
             } else if a.json {
                 crate::outln!("{}", serde_json::to_string_pretty(&c)?);
             } else {
                 print_comparison(&src.description, &c);
+                if let Some(p) = &a.plot {
+                    crate::outln!("wrote {}", p.display());
+                }
             }
         }
     }
     Ok(())
+}
+
+/// `--plot`'s file, checked before any work as every output is (docs/safety.md): not an input,
+/// not a folder or device, an existing file replaced only with `--force`.
+fn plot_output(
+    path: &std::path::Path,
+    force: bool,
+    model: &std::path::Path,
+    compare: &[PathBuf],
+    data: &str,
+) -> Result<crate::checkpoint::guard::OutputFile> {
+    use crate::checkpoint::guard::{model_inputs, InputPath, OutputFile};
+    let mut inputs = model_inputs("--model", model);
+    for c in compare {
+        inputs.extend(model_inputs("--compare", c));
+    }
+    if data != "default" {
+        inputs.push(InputPath::new("--data", data));
+    }
+    OutputFile::check("--plot", path, force, &inputs)
 }
 
 /// An `inspect` report of either kind of folder.
@@ -742,10 +808,15 @@ impl Inspected {
 fn print_comparison(reference: &str, c: &crate::eval::CompareReport) {
     let r = &c.reference;
     crate::outln!(
-        "scored {} tokens in {} windows of {} (protocol: docs/eval.md)",
+        "scored {} tokens in {} windows of {} (protocol: docs/eval.md; sparse layers: {})",
         r.tokens,
         r.windows,
-        r.seqlen
+        r.seqlen,
+        if r.sparse_path {
+            "InfLLM-v2"
+        } else {
+            "dense attention"
+        }
     );
     crate::outln!(
         "{:<40} {:>10} {:>10} {:>10} {:>8}",
@@ -772,6 +843,43 @@ fn print_comparison(reference: &str, c: &crate::eval::CompareReport) {
             m.mean_kl,
             100.0 * m.top1_agreement
         );
+    }
+    if r.by_position.len() > 1 {
+        crate::outln!("by position in the window:");
+        crate::outln!(
+            "{:<40} {:>13} {:>10} {:>10} {:>10} {:>8}",
+            "model",
+            "positions",
+            "ppl",
+            "Δppl",
+            "mean KL",
+            "top-1"
+        );
+        let span = |x: &crate::eval::RangeScore| format!("{}-{}", x.from, x.to);
+        for x in &r.by_position {
+            crate::outln!(
+                "{:<40} {:>13} {:>10.4} {:>10} {:>10} {:>8}",
+                reference,
+                span(x),
+                x.ppl,
+                "-",
+                "-",
+                "-"
+            );
+        }
+        for m in &c.compared {
+            for (x, rx) in m.by_position.iter().zip(&r.by_position) {
+                crate::outln!(
+                    "{:<40} {:>13} {:>10.4} {:>+10.4} {:>10.5} {:>7.2}%",
+                    m.model,
+                    span(x),
+                    x.ppl,
+                    x.ppl - rx.ppl,
+                    x.mean_kl.unwrap_or(0.0),
+                    100.0 * x.top1_agreement.unwrap_or(0.0)
+                );
+            }
+        }
     }
 }
 

@@ -5,16 +5,21 @@
 //! scored.
 //!
 //! The model runs layer by layer over all windows (one decoder layer's weights in memory at a
-//! time), then the head runs window by window, so logits are never stored for more than one
-//! window.
+//! time), then the head runs on a few thousand positions at a time (`score.rs`), so logits are
+//! never stored for more than that; scores are kept per position, for the position ranges of the
+//! report and the plot (`plot.rs`).
+
+pub mod plot;
+pub mod score;
 
 use crate::checkpoint::Checkpoint;
 use crate::format::quantized::{
     read_module_codes, read_quant_info, validate_quantized_modules, QuantInfo, QuantModule,
 };
-use crate::model::{AnyConfig, AnyLayer, AnyModel};
+use crate::model::{AnyConfig, AnyLayer, AnyModel, SparseAttention};
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
+pub use score::{log_probs, PositionSums, RangeScore};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -31,6 +36,8 @@ pub struct PplOptions {
     pub device: Device,
     /// Windows per forward batch.
     pub batch: usize,
+    /// When MiniCPM-SALA's sparse layers run InfLLM-v2 (`--sparse-attention`).
+    pub sparse_attention: SparseAttention,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -40,6 +47,12 @@ pub struct PplReport {
     pub tokens: usize,
     pub windows: usize,
     pub seqlen: usize,
+    /// `auto`, `always` or `never` (`--sparse-attention`).
+    pub sparse_attention: SparseAttention,
+    /// Whether the sparse layers ran InfLLM-v2 at this window length.
+    pub sparse_path: bool,
+    /// The scores per range of positions in the window (docs/eval.md, Position ranges).
+    pub by_position: Vec<RangeScore>,
 }
 
 /// A model folder opened for evaluation: config, validated checkpoint, tokenizer, and for
@@ -56,7 +69,13 @@ pub struct LoadedModel {
 
 impl LoadedModel {
     pub fn open(dir: &Path) -> Result<Self> {
-        let cfg = AnyConfig::from_file(&dir.join("config.json"))?;
+        Self::open_with(dir, SparseAttention::Auto)
+    }
+
+    /// [`open`](Self::open) with the sparse layers' attention mode (`--sparse-attention`).
+    pub fn open_with(dir: &Path, sparse: SparseAttention) -> Result<Self> {
+        let mut cfg = AnyConfig::from_file(&dir.join("config.json"))?;
+        cfg.set_sparse_attention(sparse)?;
         let ck = Checkpoint::open(dir)?;
         ck.check_finite()?;
         let quant = match read_quant_info(dir)? {
@@ -163,7 +182,8 @@ pub fn make_windows(
         .collect())
 }
 
-/// Final hidden states (before the head) of every window, computed layer by layer.
+/// Final hidden states (before the head) of every batch of windows (runs of one length, at
+/// most `batch` windows: [`crate::calib::batch_ranges`]), computed layer by layer.
 pub fn final_hidden_states(
     lm: &LoadedModel,
     model: &AnyModel,
@@ -171,11 +191,11 @@ pub fn final_hidden_states(
     batch: usize,
     what: &str,
 ) -> Result<Vec<Tensor>> {
-    let seqlen = windows[0].len();
     let mut states = Vec::new();
-    for b in windows.chunks(batch.max(1)) {
+    for r in crate::calib::batch_ranges(windows, batch) {
+        let b = &windows[r];
         let flat: Vec<u32> = b.iter().flatten().copied().collect();
-        let ids = Tensor::from_vec(flat, (b.len(), seqlen), model.device())?;
+        let ids = Tensor::from_vec(flat, (b.len(), b[0].len()), model.device())?;
         states.push(model.embed(&ids)?);
     }
     let pb = crate::progress::bar(model.num_layers() as u64, what);
@@ -190,42 +210,6 @@ pub fn final_hidden_states(
     Ok(states)
 }
 
-/// Per-position log-probabilities `[B, T, V]` (f32) from final hidden states.
-pub fn log_probs(model: &AnyModel, h: &Tensor) -> Result<Tensor> {
-    Ok(candle_nn::ops::log_softmax(&model.head(h)?, D::Minus1)?)
-}
-
-/// Sum of NLL over scored positions of a batch of windows, and the number of predictions.
-pub fn batch_nll(logp: &Tensor, windows: &[Vec<u32>]) -> Result<(f64, usize)> {
-    let (b, t, _) = logp.dims3()?;
-    let targets: Vec<u32> = windows
-        .iter()
-        .flat_map(|w| w[1..].iter().copied())
-        .collect();
-    let targets = Tensor::from_vec(targets, (b, t - 1, 1), logp.device())?;
-    let picked = logp
-        .narrow(1, 0, t - 1)?
-        .contiguous()?
-        .gather(&targets, D::Minus1)?;
-    let sum = picked.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
-    Ok((-sum, b * (t - 1)))
-}
-
-/// Over the scored positions of a batch (all but each window's last): the sum of
-/// KL(P_reference ‖ P_model) in nats, and the count of positions where both rank the same token
-/// first. `lp`, `rlp`: log-probabilities `[B, T, V]` of the model and the reference.
-pub fn kl_and_agreement(lp: &Tensor, rlp: &Tensor) -> Result<(f64, usize)> {
-    let t = lp.dim(1)? - 1;
-    let (lp, rlp) = (lp.narrow(1, 0, t)?, rlp.narrow(1, 0, t)?);
-    let kl = (rlp.exp()? * (&rlp - &lp)?)?
-        .sum_all()?
-        .to_dtype(DType::F64)?
-        .to_scalar::<f64>()?;
-    let same = lp.argmax(D::Minus1)?.eq(&rlp.argmax(D::Minus1)?)?;
-    let agree = same.to_dtype(DType::U32)?.sum_all()?.to_scalar::<u32>()? as usize;
-    Ok((kl, agree))
-}
-
 /// One compared model's scores against the reference, on the same windows.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Comparison {
@@ -238,6 +222,11 @@ pub struct Comparison {
     pub mean_kl: f64,
     /// Fraction of positions where both models rank the same token first.
     pub top1_agreement: f64,
+    /// The same per range of positions in the window (docs/eval.md, Position ranges).
+    pub by_position: Vec<RangeScore>,
+    /// Per-position sums, for the plot.
+    #[serde(skip)]
+    pub sums: PositionSums,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -267,27 +256,29 @@ pub fn perplexity(dir: &Path, text: &str, opts: &PplOptions) -> Result<PplReport
 }
 
 /// Scores the reference and every compared model on the same windows (tokenized with the
-/// reference's tokenizer). Hidden states are computed layer by layer per model; logits exist
-/// for one batch of windows at a time.
+/// reference's tokenizer). Hidden states are computed layer by layer per model; the head runs a
+/// few thousand positions at a time (`score.rs`).
 pub fn compare(
     reference: &Path,
     others: &[std::path::PathBuf],
     text: &str,
     opts: &PplOptions,
 ) -> Result<CompareReport> {
-    let lm = LoadedModel::open(reference)?;
+    let lm = LoadedModel::open_with(reference, opts.sparse_attention)?;
     let windows = make_windows(&lm.tokenizer, text, &lm.cfg, opts)?;
     let model = lm.model(opts.dtype, &opts.device)?;
     model.check_length(opts.seqlen)?;
     let ref_states = final_hidden_states(&lm, &model, &windows, opts.batch, "reference")?;
-    let batches: Vec<&[Vec<u32>]> = windows.chunks(opts.batch.max(1)).collect();
-    let (mut nll, mut count) = (0.0, 0usize);
+    let batches: Vec<&[Vec<u32>]> = crate::calib::batch_ranges(&windows, opts.batch)
+        .into_iter()
+        .map(|r| &windows[r])
+        .collect();
+    let mut rsums = PositionSums::default();
     for (h, ws) in ref_states.iter().zip(&batches) {
-        let (s, c) = batch_nll(&log_probs(&model, h)?, ws)?;
-        nll += s;
-        count += c;
+        score::score_batch(&model, h, None, ws, &mut rsums)?;
     }
-    let mean = nll / count as f64;
+    let count = rsums.tokens() as usize;
+    let mean = rsums.range(0, usize::MAX).0 / count as f64;
     finite_nll(mean, reference)?;
     let ref_report = PplReport {
         ppl: mean.exp(),
@@ -295,10 +286,13 @@ pub fn compare(
         tokens: count,
         windows: windows.len(),
         seqlen: opts.seqlen,
+        sparse_attention: opts.sparse_attention,
+        sparse_path: lm.cfg.sparse_runs(opts.seqlen),
+        by_position: score::ranges(&rsums, false),
     };
     let mut compared = vec![];
     for other in others {
-        let om = LoadedModel::open(other)?;
+        let om = LoadedModel::open_with(other, opts.sparse_attention)?;
         if om.cfg.vocab_size() != lm.cfg.vocab_size() {
             bail!(
                 "--compare {}: vocab_size {} differs from the reference's {}; the models cannot be compared token by token",
@@ -309,14 +303,11 @@ pub fn compare(
         }
         let omodel = om.model(opts.dtype, &opts.device)?;
         let states = final_hidden_states(&om, &omodel, &windows, opts.batch, "compare")?;
-        let (mut nll, mut kl, mut agree) = (0.0, 0.0, 0usize);
+        let mut sums = PositionSums::default();
         for ((h, rh), ws) in states.iter().zip(&ref_states).zip(&batches) {
-            let (lp, rlp) = (log_probs(&omodel, h)?, log_probs(&model, rh)?);
-            nll += batch_nll(&lp, ws)?.0;
-            let (k, a) = kl_and_agreement(&lp, &rlp)?;
-            kl += k;
-            agree += a;
+            score::score_batch(&omodel, h, Some((&model, rh)), ws, &mut sums)?;
         }
+        let (nll, kl, agree, _) = sums.range(0, usize::MAX);
         let m = nll / count as f64;
         finite_nll(m, other)?;
         compared.push(Comparison {
@@ -326,6 +317,8 @@ pub fn compare(
             delta_ppl: m.exp() - ref_report.ppl,
             mean_kl: kl / count as f64,
             top1_agreement: agree as f64 / count as f64,
+            by_position: score::ranges(&sums, true),
+            sums,
         });
     }
     Ok(CompareReport {

@@ -333,6 +333,13 @@ impl AnyModel {
         }
     }
 
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Self::Sala(m) => m.cfg.vocab_size,
+            Self::Dense(m) => m.cfg.vocab_size,
+        }
+    }
+
     pub fn dtype(&self) -> DType {
         match self {
             Self::Sala(m) => m.dtype,

@@ -483,12 +483,18 @@ impl Config {
 pub const MINICPM_SALA_9B_CONFIG: &str = include_str!("presets/minicpm-sala-9b.json");
 /// A tiny model of the same structure: both mixer kinds, head_dim 128, dimensions multiples of 128.
 pub const TINY_CONFIG: &str = include_str!("presets/tiny.json");
+/// `tiny` with a `sparse_config` whose InfLLM-v2 path runs from 512 tokens on (local window of
+/// 2 blocks, 4 more selected): long-context runs small enough for a CPU.
+pub const TINY_SPARSE_CONFIG: &str = include_str!("presets/tiny-sparse.json");
 
 pub fn preset(name: &str) -> Result<Config> {
     let text = match name {
         "minicpm-sala-9b" => MINICPM_SALA_9B_CONFIG,
         "tiny" => TINY_CONFIG,
-        other => bail!("unknown preset {other:?}: expected \"minicpm-sala-9b\" or \"tiny\""),
+        "tiny-sparse" => TINY_SPARSE_CONFIG,
+        other => bail!(
+            "unknown preset {other:?}: expected \"minicpm-sala-9b\", \"tiny\" or \"tiny-sparse\""
+        ),
     };
     Config::from_json(text)
 }

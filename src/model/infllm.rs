@@ -288,6 +288,9 @@ pub fn block_sparse_attention(
     let dev = q.device();
     let f32t = |x: &Tensor| x.transpose(1, 2)?.to_dtype(DType::F32)?.contiguous();
     let (qf, kf, vf) = (f32t(q)?, f32t(k)?, f32t(v)?); // [B, H|KV, T, D]
+                                                       // Each kv head repeated for its query heads (consecutively, as GQA groups them).
+    let kt = super::nn::repeat_kv(&kf, g)?.t()?.contiguous()?;
+    let vr = super::nn::repeat_kv(&vf, g)?.contiguous()?;
     let scale = 1.0 / (d as f64).sqrt();
     let chunk = query_chunk(b * h, t);
     let mut outs = vec![];
@@ -313,15 +316,10 @@ pub fn block_sparse_attention(
             }
         }
         let mask = Tensor::from_vec(mask, (b, kv, 1, len, t), dev)?;
-        let qc = qf.narrow(2, start, len)?.reshape((b, kv, g, len, d))?;
-        let scores = (qc.matmul(&kf.unsqueeze(2)?.broadcast_as((b, kv, g, t, d))?.t()?)? * scale)?;
+        let qc = qf.narrow(2, start, len)?.contiguous()?;
+        let scores = (qc.matmul(&kt)? * scale)?.reshape((b, kv, g, len, t))?;
         let p = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
-        let o = p.matmul(
-            &vf.unsqueeze(2)?
-                .broadcast_as((b, kv, g, t, d))?
-                .contiguous()?,
-        )?;
-        outs.push(o.reshape((b, h, len, d))?);
+        outs.push(p.reshape((b, h, len, t))?.matmul(&vr)?);
         start += len;
     }
     let o = Tensor::cat(&outs, 2)?;

@@ -155,9 +155,26 @@ pub fn model_card(r: &QuantizeReport, verify: Option<&CompareReport>) -> String 
         ("true-sequential", s.true_sequential.to_string()),
         (
             "calibration",
+            match s.seqlen {
+                crate::calib::SeqLen::Fixed(n) => {
+                    format!("{} windows of {n} tokens, seed {}", s.nsamples, s.seed)
+                }
+                crate::calib::SeqLen::LogUniform { min, max } => format!(
+                    "{} windows of {min} to {max} tokens (log-uniform lengths), seed {}",
+                    s.nsamples, s.seed
+                ),
+            },
+        ),
+        (
+            "sparse layers' attention",
             format!(
-                "{} windows of {} tokens, seed {}",
-                s.nsamples, s.seqlen, s.seed
+                "`--sparse-attention {}`: {}",
+                s.sparse_attention.name(),
+                if s.sparse_path {
+                    "InfLLM-v2 ran in calibration"
+                } else {
+                    "dense attention in calibration (every window below sparse_config.dense_len)"
+                }
             ),
         ),
         ("kept in 16 bits", {

@@ -67,6 +67,8 @@ pub struct QuantizeOptions {
     pub nsamples: usize,
     /// Each window's length: one, or a log-uniform mix (`--seqlen MIN..MAX`).
     pub seqlen: SeqLen,
+    /// When MiniCPM-SALA's sparse layers run InfLLM-v2 (`--sparse-attention`).
+    pub sparse_attention: crate::model::SparseAttention,
     pub seed: u64,
     pub skip: Vec<String>,
     /// Per-module bits and group sizes (`--plan`: a JSON file with GPTQModel `dynamic` rules).
@@ -128,6 +130,9 @@ pub struct Settings {
     pub true_sequential: bool,
     pub nsamples: usize,
     pub seqlen: SeqLen,
+    /// `--sparse-attention`, and whether the sparse layers ran InfLLM-v2 on some window.
+    pub sparse_attention: crate::model::SparseAttention,
+    pub sparse_path: bool,
     pub seed: u64,
     pub skip: Vec<String>,
     /// What `--plan` changes: `module=bits/group` or `module=keep` for every Linear it moves
@@ -225,7 +230,8 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
             q.source.display()
         );
     }
-    let cfg = AnyConfig::from_file(&src.dir.join("config.json"))?;
+    let mut cfg = AnyConfig::from_file(&src.dir.join("config.json"))?;
+    cfg.set_sparse_attention(opts.sparse_attention)?;
     let ck = Checkpoint::open(&src.dir)?;
     ck.validate_exact(&cfg.expected_tensors())?;
     // Every weight finite and the shards' SHA-256, beside the setup and the first layers.
@@ -277,6 +283,8 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         true_sequential: opts.true_sequential,
         nsamples: opts.nsamples,
         seqlen: opts.seqlen,
+        sparse_attention: opts.sparse_attention,
+        sparse_path: cfg.sparse_runs(opts.seqlen.max()),
         batch: opts.batch,
         seed: opts.seed,
         skip: opts.skip.clone(),
@@ -538,6 +546,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
                 dtype: opts.dtype,
                 device: opts.device.clone(),
                 batch: opts.batch,
+                sparse_attention: opts.sparse_attention,
             };
             let mut c = crate::eval::compare(
                 &src.dir,
@@ -696,6 +705,11 @@ fn quantization_config(
     });
     if let Some(alpha) = s.gptaq_alpha {
         meta["gptaq_alpha"] = serde_json::json!(alpha);
+    }
+    // Recorded where it mattered: a mode chosen by hand, or windows long enough for InfLLM-v2.
+    if s.sparse_path || s.sparse_attention != crate::model::SparseAttention::Auto {
+        meta["sparse_attention"] = serde_json::json!(s.sparse_attention);
+        meta["sparse_path"] = serde_json::json!(s.sparse_path);
     }
     if opts.refit {
         meta["refit"] = serde_json::json!(true);

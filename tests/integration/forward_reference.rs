@@ -69,6 +69,130 @@ fn slopes(n: usize) -> Vec<f64> {
     (1..=n).map(|i| start.powi(i as i32)).collect()
 }
 
+/// InfLLM-v2 as docs/model.md (InfLLM-v2) describes the official code, for one sequence, in
+/// f64 with per-token loops, written without the crate's code: the blocks each token of kv head
+/// `g` attends to. `q` rows hold all query heads (`nh·d`), `k` rows all kv heads (`nkv·d`). The
+/// stage-1 head sums are rounded to BF16, as the official kernel stores them.
+fn infllm_selection_ref(q: &Mat, k: &Mat, cfg: &Config, g: usize) -> Vec<Vec<usize>> {
+    let sc = &cfg.sparse_config;
+    let (nh, nkv, d) = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    );
+    let per = nh / nkv;
+    let t_len = q.len();
+    let scale = 1.0 / (d as f64).sqrt();
+    let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
+    // Compressed keys: means of complete windows of `w` keys every `st`.
+    let compress = |w: usize, st: usize| -> Mat {
+        let n = if t_len < w { 0 } else { (t_len - w) / st + 1 };
+        (0..n)
+            .map(|j| {
+                (0..d)
+                    .map(|e| (st * j..st * j + w).map(|s| k[s][g * d + e]).sum::<f64>() / w as f64)
+                    .collect()
+            })
+            .collect()
+    };
+    let (w1, s1) = (sc.kernel_size, sc.kernel_stride);
+    let (k1, k2) = (compress(w1, s1), compress(4 * w1, 4 * s1));
+    // Visible windows of query i: the kernel's integer formula (C division truncates).
+    let visible = |i: usize, st: usize, n: usize| -> usize {
+        let (n, st, t) = (n as i64, st as i64, t_len as i64);
+        let off = n - (t - st + 1) / st;
+        (((i as i64 + 1) / st - 1 + off).max(0)).min(n) as usize
+    };
+    let bs = sc.block_size;
+    let nb = t_len.div_ceil(bs);
+    let local = sc.window_size / bs;
+    let kk = (sc.topk + local).min(nb);
+    let r = bs / s1;
+    (0..t_len)
+        .map(|i| {
+            let (l1, l2) = (visible(i, s1, k1.len()), visible(i, 4 * s1, k2.len()));
+            let mut p = vec![0.0f64; k1.len()];
+            if l2 > 0 {
+                for h in g * per..(g + 1) * per {
+                    let qh = &q[i][h * d..(h + 1) * d];
+                    let s2: Vec<f64> = (0..l2).map(|c| scale * dot(qh, &k2[c])).collect();
+                    let m = s2.iter().cloned().fold(f64::MIN, f64::max);
+                    let lse = m + s2.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+                    for (j, pj) in p.iter_mut().enumerate().take(l1) {
+                        *pj += (scale * dot(qh, &k1[j]) - lse).exp();
+                    }
+                }
+                for pj in p.iter_mut() {
+                    *pj = half::bf16::from_f64(*pj).to_f64();
+                }
+            }
+            let qb = i / bs;
+            let score = |b: usize| -> f64 {
+                if b < sc.init_blocks || (b <= qb && qb <= b + local) {
+                    return f64::INFINITY;
+                }
+                let lo = (r * b).saturating_sub(1);
+                let hi = (r * b + r).min(k1.len());
+                if hi > lo {
+                    p[lo..hi].iter().cloned().fold(f64::NEG_INFINITY, f64::max)
+                } else {
+                    f64::NEG_INFINITY
+                }
+            };
+            let mut order: Vec<usize> = (0..nb).collect();
+            order.sort_by(|&a, &b| score(b).total_cmp(&score(a)).then(a.cmp(&b)));
+            let mut sel: Vec<usize> = order[..kk].iter().copied().filter(|&b| b <= qb).collect();
+            sel.sort();
+            sel
+        })
+        .collect()
+}
+
+/// Stage 2 in f64: each token's softmax attention over the keys of its selected blocks at or
+/// before it (`sel[g][i]`), per query head.
+fn infllm_attend_ref(q: &Mat, k: &Mat, v: &Mat, cfg: &Config, sel: &[Vec<Vec<usize>>]) -> Mat {
+    let (nh, nkv, d) = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    );
+    let bs = cfg.sparse_config.block_size;
+    let t_len = q.len();
+    let mut o = vec![vec![0.0; nh * d]; t_len];
+    for h in 0..nh {
+        let g = h / (nh / nkv);
+        for t in 0..t_len {
+            let keys: Vec<usize> = sel[g][t]
+                .iter()
+                .flat_map(|&b| b * bs..((b + 1) * bs).min(t + 1))
+                .collect();
+            let scores: Vec<f64> = keys
+                .iter()
+                .map(|&s| {
+                    (0..d)
+                        .map(|i| q[t][h * d + i] * k[s][g * d + i])
+                        .sum::<f64>()
+                        / (d as f64).sqrt()
+                })
+                .collect();
+            let m = scores.iter().cloned().fold(f64::MIN, f64::max);
+            let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
+            for (s, sc) in keys.iter().zip(&scores) {
+                let pr = (sc - m).exp() / z;
+                for i in 0..d {
+                    o[t][h * d + i] += pr * v[*s][g * d + i];
+                }
+            }
+        }
+    }
+    o
+}
+
+/// Dense causal attention as a selection: every block up to the token's own.
+fn all_blocks(t_len: usize, bs: usize, nkv: usize) -> Vec<Vec<Vec<usize>>> {
+    vec![(0..t_len).map(|t| (0..=t / bs).collect()).collect(); nkv]
+}
+
 fn reference_logits(ck: &Checkpoint, cfg: &Config, ids: &[u32]) -> Mat {
     let r = Ref { ck, cfg };
     let t_len = ids.len();
@@ -92,33 +216,15 @@ fn reference_logits(ck: &Checkpoint, cfg: &Config, ids: &[u32]) -> Mat {
         let v = r.linear(&format!("{p}self_attn.v_proj.weight"), &x);
         let o: Mat = match cfg.mixer(l) {
             MixerKind::Sparse => {
-                let (nh, nkv, d) = (
-                    cfg.num_attention_heads,
-                    cfg.num_key_value_heads,
-                    cfg.head_dim,
-                );
-                let mut o = vec![vec![0.0; nh * d]; t_len];
-                for hh in 0..nh {
-                    let g = hh / (nh / nkv);
-                    for t in 0..t_len {
-                        let scores: Vec<f64> = (0..=t)
-                            .map(|s| {
-                                (0..d)
-                                    .map(|i| q[t][hh * d + i] * k[s][g * d + i])
-                                    .sum::<f64>()
-                                    / (d as f64).sqrt()
-                            })
-                            .collect();
-                        let m = scores.iter().cloned().fold(f64::MIN, f64::max);
-                        let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
-                        for (s, sc) in scores.iter().enumerate() {
-                            let pr = (sc - m).exp() / z;
-                            for i in 0..d {
-                                o[t][hh * d + i] += pr * v[s][g * d + i];
-                            }
-                        }
-                    }
-                }
+                let (nkv, bs) = (cfg.num_key_value_heads, cfg.sparse_config.block_size);
+                let sel = if cfg.sparse_runs(t_len) {
+                    (0..nkv)
+                        .map(|g| infllm_selection_ref(&q, &k, cfg, g))
+                        .collect()
+                } else {
+                    all_blocks(t_len, bs, nkv)
+                };
+                let o = infllm_attend_ref(&q, &k, &v, cfg, &sel);
                 let gate = r.linear(&format!("{p}self_attn.o_gate.weight"), &x);
                 o.iter()
                     .zip(&gate)
@@ -289,4 +395,223 @@ fn bf16_forward_stays_close_to_f32() {
         .to_scalar::<f32>()
         .unwrap();
     assert!(diff / scale < 0.1, "bf16 drifted: {}", diff / scale);
+}
+
+/// `[T][width]` rows of seeded normal values, and the same as a `[1, T, heads, d]` f32 tensor.
+fn random_rows(t: usize, heads: usize, d: usize, seed: u64) -> (Mat, Tensor) {
+    let mut rng = soar_gptq::rng::SplitMix64::new(seed);
+    let v: Vec<f32> = rng.normals(t * heads * d);
+    let rows = v
+        .chunks(heads * d)
+        .map(|r| r.iter().map(|&x| x as f64).collect())
+        .collect();
+    let t4 = Tensor::from_vec(v, (1, t, heads, d), &Device::Cpu).unwrap();
+    (rows, t4)
+}
+
+fn sparse_cfg() -> Config {
+    soar_gptq::model::config::preset("tiny-sparse").unwrap()
+}
+
+fn max_rel(want: &Mat, got: &[Vec<f32>]) -> f64 {
+    let scale = want.iter().flatten().fold(0f64, |m, x| m.max(x.abs()));
+    let err = want
+        .iter()
+        .flatten()
+        .zip(got.iter().flatten())
+        .fold(0f64, |m, (a, b)| m.max((a - *b as f64).abs()));
+    err / scale
+}
+
+/// Stage 2 on hand-made selections (ragged, with gaps, −1 padding, the own block always in):
+/// the composed form equals the f64 reference; a selection of every block is dense attention.
+#[test]
+fn block_sparse_attention_matches_the_f64_reference_on_hand_made_selections() {
+    use soar_gptq::model::infllm;
+    let cfg = sparse_cfg();
+    let ic = cfg.infllm().unwrap();
+    let (nh, nkv, d) = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    );
+    for t in [70, 300, 641] {
+        let (q, qt) = random_rows(t, nh, d, 1 + t as u64);
+        let (k, kt) = random_rows(t, nkv, d, 2 + t as u64);
+        let (v, vt) = random_rows(t, nkv, d, 3 + t as u64);
+        let kk = ic.k(t);
+        let mut rng = soar_gptq::rng::SplitMix64::new(t as u64);
+        // Per token: its own block, then random earlier ones, up to k.
+        let hand: Vec<Vec<Vec<usize>>> = (0..nkv)
+            .map(|_| {
+                (0..t)
+                    .map(|i| {
+                        let qb = i / ic.block_size;
+                        let mut s = vec![qb];
+                        for _ in 0..kk - 1 {
+                            let b = rng.below(qb + 1);
+                            if !s.contains(&b) && rng.below(3) > 0 {
+                                s.push(b);
+                            }
+                        }
+                        s.sort();
+                        s
+                    })
+                    .collect()
+            })
+            .collect();
+        let flat: Vec<i32> = hand
+            .iter()
+            .flat_map(|g| {
+                g.iter().flat_map(|s| {
+                    let mut row: Vec<i32> = s.iter().map(|&b| b as i32).collect();
+                    row.resize(kk, -1);
+                    row
+                })
+            })
+            .collect();
+        let got = infllm::block_sparse_attention(&qt, &kt, &vt, &flat, &ic).unwrap();
+        let got: Vec<Vec<f32>> = got.get(0).unwrap().to_vec2().unwrap();
+        let want = infllm_attend_ref(&q, &k, &v, &cfg, &hand);
+        let e = max_rel(&want, &got);
+        assert!(e < 1e-5, "T = {t}: max |Δ| / max |o| = {e}");
+        // Every block selected: dense causal attention.
+        let all = all_blocks(t, ic.block_size, nkv);
+        let flat: Vec<i32> = all
+            .iter()
+            .flat_map(|g| {
+                g.iter().flat_map(|s| {
+                    let mut row: Vec<i32> = s.iter().map(|&b| b as i32).collect();
+                    row.resize(ic.blocks(t).max(kk), -1);
+                    row
+                })
+            })
+            .collect();
+        let wide = infllm::InfllmV2 {
+            topk: ic.blocks(t).max(kk),
+            ..ic
+        };
+        let sparse = infllm::block_sparse_attention(&qt, &kt, &vt, &flat, &wide).unwrap();
+        let dense = soar_gptq::model::minicpm_sala::sparse_attention_composed(&qt, &kt, &vt, false)
+            .unwrap();
+        let diff = (&sparse - &dense)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(
+            diff < 1e-5,
+            "T = {t}: all blocks vs dense attention differ by {diff}"
+        );
+    }
+}
+
+/// The block selection (compressed keys, stage-1 scores with the second compressor's
+/// normaliser, pooling, forced blocks, top-k with the lower index winning ties, the kernel's
+/// visibility off-by-one at T ≡ 15 mod 16 and T ≡ 63 mod 64) equals the f64 reference, except
+/// where a block's score is within one BF16 step of the cut, where the rounding of an f32 and an
+/// f64 sum may order them differently.
+#[test]
+fn block_selection_matches_the_f64_reference() {
+    use soar_gptq::model::infllm;
+    let cfg = sparse_cfg();
+    let ic = cfg.infllm().unwrap();
+    let (nh, nkv, d) = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    );
+    let mut near_ties = 0;
+    for t in [513, 1039, 1087, 1500] {
+        let (q, qt) = random_rows(t, nh, d, 10 + t as u64);
+        let (k, kt) = random_rows(t, nkv, d, 20 + t as u64);
+        let got = infllm::selection(&ic, &qt, &kt).unwrap();
+        let kk = ic.k(t);
+        for g in 0..nkv {
+            let want = infllm_selection_ref(&q, &k, &cfg, g);
+            for (i, w) in want.iter().enumerate() {
+                let row = &got[(g * t + i) * kk..][..kk];
+                let mine: Vec<usize> = row
+                    .iter()
+                    .filter(|&&b| b >= 0)
+                    .map(|&b| b as usize)
+                    .collect();
+                assert!(
+                    row.iter().skip(mine.len()).all(|&b| b == -1),
+                    "T {t} token {i}: {row:?}"
+                );
+                if &mine != w {
+                    near_ties += 1;
+                    assert!(
+                        mine.len() == w.len()
+                            && mine.iter().filter(|b| !w.contains(b)).count() == 1,
+                        "T {t} kv {g} token {i}: {mine:?} vs the reference's {w:?}"
+                    );
+                }
+            }
+        }
+        // Tokens that see no more than k blocks take all of them (dense); later ones take k.
+        let row = |i: usize| -> Vec<i32> { got[i * kk..(i + 1) * kk].to_vec() };
+        assert_eq!(row(64 * 3 + 5), vec![0, 1, 2, 3, -1, -1]);
+        assert!(row(t - 1).iter().all(|&b| b >= 0));
+    }
+    assert!(near_ties <= 4, "{near_ties} rows differ from the reference");
+}
+
+/// The whole forward above `sparse_config.dense_len` (InfLLM-v2 in both sparse layers) against
+/// the f64 reference, at a length where the kernel's K2 visibility off-by-one applies
+/// (1087 ≡ 63 mod 64); and `--sparse-attention always` below it equals dense attention while
+/// every block is selected.
+#[test]
+fn sparse_forward_above_dense_len_matches_the_f64_reference() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    let cfg = sparse_cfg();
+    soar_gptq::synth::synth(
+        &cfg.clone().into(),
+        &soar_gptq::synth::SynthOptions {
+            out: dir.clone(),
+            seed: 5,
+            tokenizer: None,
+            config_file: None,
+            shard_bytes: 4_000_000,
+            force: false,
+        },
+    )
+    .unwrap();
+    let ck = Checkpoint::open(&dir).unwrap();
+    let forward = |cfg: &Config, seq: &[u32]| -> Vec<Vec<f32>> {
+        let model = Model::load(&ck, cfg, DType::F32, &Device::Cpu).unwrap();
+        let layers: Vec<_> = (0..cfg.num_hidden_layers)
+            .map(|i| model.load_layer(&ck, i).unwrap())
+            .collect();
+        let ids = Tensor::from_vec(seq.to_vec(), (1, seq.len()), &Device::Cpu).unwrap();
+        model
+            .forward(&ids, &layers)
+            .unwrap()
+            .get(0)
+            .unwrap()
+            .to_vec2()
+            .unwrap()
+    };
+    let seq: Vec<u32> = (0..1087u32).map(|i| (i * 37 + 5) % 4000).collect();
+    assert!(cfg.sparse_runs(seq.len()));
+    let want = reference_logits(&ck, &cfg, &seq);
+    let e = max_rel(&want, &forward(&cfg, &seq));
+    assert!(e < 1e-4, "max |Δ| / max |logit| = {e}");
+    // Below dense_len with the sparse path forced: 6 blocks of 64 tokens are kept per token, so
+    // up to 384 tokens every block is, and the result is dense attention.
+    let short = &seq[..380];
+    let mut always = cfg.clone();
+    always.sparse_attention = soar_gptq::model::SparseAttention::Always;
+    let (a, b) = (forward(&always, short), forward(&cfg, short));
+    let diff = a
+        .iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(diff < 1e-4, "always vs auto below dense_len: {diff}");
 }

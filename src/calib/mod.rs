@@ -445,14 +445,21 @@ impl std::str::FromStr for SeqLen {
     }
 }
 
+/// The most tokens one forward batch holds (a longer window is a batch of its own): it bounds
+/// the working set of a batch, and it is a constant, so the batches (and the order in which
+/// XᵀX sums) do not depend on the machine.
+pub const BATCH_TOKENS: usize = 65_536;
+
 /// The forward batches of `windows`: runs of consecutive windows of one length (a batch is one
-/// `[B, T]` tensor), at most `batch` windows each. With one length this is `chunks(batch)`.
+/// `[B, T]` tensor), at most `batch` windows and [`BATCH_TOKENS`] tokens each (at least one
+/// window). With one length of at most `BATCH_TOKENS / batch` tokens this is `chunks(batch)`.
 pub fn batch_ranges(windows: &[Vec<u32>], batch: usize) -> Vec<std::ops::Range<usize>> {
-    let batch = batch.max(1);
     let mut out = vec![];
     let mut start = 0;
     for i in 1..=windows.len() {
-        if i == windows.len() || i - start == batch || windows[i].len() != windows[start].len() {
+        let len = windows[start].len();
+        let cap = batch.max(1).min((BATCH_TOKENS / len.max(1)).max(1));
+        if i == windows.len() || i - start == cap || windows[i].len() != len {
             out.push(start..i);
             start = i;
         }
@@ -646,6 +653,47 @@ mod tests {
         assert_eq!(CalibSpec::parse("default").unwrap().weight, 1.0);
         assert_eq!(CalibSpec::parse("dir/x:y.txt").unwrap().path, "dir/x:y.txt");
         assert!(CalibSpec::parse("a.txt:0").is_err());
+    }
+
+    #[test]
+    fn batches_hold_one_length_and_a_bounded_number_of_tokens() {
+        let w = |n: usize, len: usize| vec![vec![0u32; len]; n];
+        let ranges = |ws: &[Vec<u32>], b| batch_ranges(ws, b);
+        assert_eq!(ranges(&w(20, 2048), 8), vec![0..8, 8..16, 16..20]);
+        assert_eq!(ranges(&w(3, 49_152), 8), vec![0..1, 1..2, 2..3]);
+        assert_eq!(ranges(&w(9, 8192), 16), vec![0..8, 8..9]);
+        let mut mixed = w(2, 100);
+        mixed.extend(w(1, 300));
+        mixed.extend(w(2, 100));
+        assert_eq!(ranges(&mixed, 8), vec![0..2, 2..3, 3..5]);
+        assert!(ranges(&[], 8).is_empty());
+    }
+
+    #[test]
+    fn log_uniform_lengths_stay_in_range_and_repeat_per_seed() {
+        let s: SeqLen = "1000..48000".parse().unwrap();
+        let a = s.draw(500, 7);
+        assert_eq!(a, s.draw(500, 7));
+        assert_ne!(a, s.draw(500, 8));
+        assert!(a.iter().all(|&l| (1000..=48000).contains(&l)));
+        // Log-uniform: about as many windows below the geometric mean (~6928) as above.
+        let below = a.iter().filter(|&&l| l < 6928).count();
+        assert!((200..300).contains(&below), "{below}");
+        assert_eq!("2048".parse::<SeqLen>().unwrap(), SeqLen::Fixed(2048));
+        assert_eq!("512..512".parse::<SeqLen>().unwrap(), SeqLen::Fixed(512));
+        for bad in ["0", "1", "9..3", "x", "4..", "..8"] {
+            assert!(bad.parse::<SeqLen>().is_err(), "{bad}");
+        }
+        assert!(
+            (SeqLen::LogUniform {
+                min: 1000,
+                max: 48000
+            }
+            .mean()
+                - 12140.0)
+                .abs()
+                < 10.0
+        );
     }
 
     #[test]

@@ -123,6 +123,15 @@ fn parse_upgrade(s: &str) -> std::result::Result<u8, String> {
     }
 }
 
+fn parse_gb(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err(format!(
+            "{s} is not a number of gigabytes (10⁹ bytes), e.g. 24"
+        )),
+    }
+}
+
 fn parse_nonneg(s: &str) -> std::result::Result<f64, String> {
     match s.parse::<f64>() {
         Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
@@ -297,9 +306,18 @@ pub struct QuantizeArgs {
     /// GPTAQ: the share of the asymmetric correction applied, in [0, 1] (0 is GPTQ).
     #[arg(long, default_value_t = 1.0, value_parser = parse_alpha)]
     pub gptaq_alpha: f64,
-    /// Calibration windows per forward batch.
+    /// Calibration windows per forward batch (at most 65,536 tokens a batch; a longer window
+    /// is a batch of its own).
     #[arg(long, default_value_t = 8, value_parser = parse_positive)]
     pub batch: usize,
+    /// Use at most this many GB of GPU memory: the hidden states move to host memory and the
+    /// layer caches are recomputed as needed (docs/usage.md, Memory).
+    #[arg(long, value_parser = parse_gb)]
+    pub max_gpu_memory: Option<f64>,
+    /// Keep at most this many GB of activations in host memory; the rest spills to disk under
+    /// the output's partial folder.
+    #[arg(long, value_parser = parse_gb)]
+    pub max_host_memory: Option<f64>,
     /// Largest output shard in bytes.
     #[arg(long, default_value_t = DEFAULT_SHARD_BYTES, value_parser = parse_shard_size)]
     pub shard_size: u64,
@@ -561,6 +579,8 @@ fn run(cli: Cli) -> Result<()> {
                 },
                 gptaq_alpha: a.gptaq_alpha,
                 batch: a.batch,
+                max_gpu_memory: a.max_gpu_memory,
+                max_host_memory: a.max_host_memory,
                 shard_bytes: a.shard_size,
                 stop_after_layers: a.stop_after_layers,
                 engine: a.engine.engine(),

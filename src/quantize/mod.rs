@@ -89,6 +89,10 @@ pub struct QuantizeOptions {
     pub gptaq_alpha: f64,
     /// Calibration windows per forward batch.
     pub batch: usize,
+    /// Caps on the GPU memory and the host memory (GB) the activations may use
+    /// (`--max-gpu-memory`, `--max-host-memory`; docs/algorithm.md, Streaming the calibration).
+    pub max_gpu_memory: Option<f64>,
+    pub max_host_memory: Option<f64>,
     pub shard_bytes: u64,
     /// Stop (with an error) after this many layers: for testing `--resume`.
     pub stop_after_layers: Option<usize>,
@@ -357,10 +361,16 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         opts.mse,
     );
     eprintln!("{}", preflight.line());
-    // Refused now rather than dying midway: more memory than the device has free, or more disk
-    // than the output's filesystem has.
-    check_memory(&preflight, opts)?;
-    if !opts.resume {
+    // Refused now rather than dying midway: less memory than one layer and one batch need, or
+    // more disk than the output's filesystem has.
+    let memory = memory_plan(&preflight, opts)?;
+    eprintln!("{}", memory.line());
+    let spill = if memory.residency.states == layers::store::Tier::Disk {
+        memory.states_bytes
+    } else {
+        0
+    };
+    if !opts.resume || spill > 0 {
         let quantized: u64 = specs
             .iter()
             .filter(|s| s.dtype == Dtype::I32 || s.name.ends_with(".scales"))
@@ -370,11 +380,13 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         guard::check_disk_space(
             "--out",
             out.path(),
-            total + quantized,
+            total + quantized + spill,
             &format!(
-                "{:.2} GB of shards and {:.2} GB of journal until the run ends",
+                "{:.2} GB of shards, {:.2} GB of journal until the run ends and {:.2} GB of \
+                 hidden states spilled to disk",
                 total as f64 / 1e9,
-                quantized as f64 / 1e9
+                quantized as f64 / 1e9,
+                spill as f64 / 1e9
             ),
         )?;
     }
@@ -452,6 +464,8 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
             quant,
             jdir: &jdir,
             feed: &feed,
+            residency: memory.residency,
+            spill: out.path().join("spill"),
         }
         .run(&mut journal, &mut stages, &mut source_checks);
         drop(feed);
@@ -629,12 +643,12 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     Ok(report)
 }
 
-/// Refuses a run whose preflight peak exceeds the memory free on its device, with the numbers
-/// and the flags that lower it.
-fn check_memory(p: &Preflight, opts: &QuantizeOptions) -> Result<()> {
-    let free = if opts.device.is_cpu() {
-        host_available_bytes()
-    } else {
+/// Where the run keeps its activations, from the preflight's estimate and the memory the
+/// device (and on a GPU, the host) offers; refused when not even one layer and one batch fit.
+fn memory_plan(p: &Preflight, opts: &QuantizeOptions) -> Result<stages::MemoryPlan> {
+    let gb = |x: Option<f64>| x.map(|g| (g * 1e9) as u64);
+    let cuda = opts.device.is_cuda();
+    let device_free = if cuda {
         #[cfg(feature = "cuda")]
         {
             crate::kernels::cuda::memory_free(&opts.device).ok()
@@ -643,30 +657,28 @@ fn check_memory(p: &Preflight, opts: &QuantizeOptions) -> Result<()> {
         {
             None
         }
+    } else {
+        host_available_bytes()
     };
-    let Some(free) = free else {
-        return Ok(());
+    let (max_device, max_host) = if cuda {
+        (gb(opts.max_gpu_memory), gb(opts.max_host_memory))
+    } else {
+        (gb(opts.max_host_memory), None)
     };
-    if p.peak_bytes > free {
-        bail!(
-            "this run needs about {:.1} GB on {} (hidden states of {} calibration tokens {:.1} GB, \
-             layer cache {:.1} GB, solve {:.1} GB, forward {:.1} GB) and {:.1} GB are free: lower \
-             --nsamples (now {}) or --seqlen (now {}) (memory grows with their product), or \
-             --batch (now {}), or use a device with more memory",
-            p.peak_bytes as f64 / 1e9,
-            p.device,
-            p.tokens,
-            p.hidden_states_bytes as f64 / 1e9,
-            p.layer_cache_bytes as f64 / 1e9,
-            p.solve_bytes as f64 / 1e9,
-            p.forward_bytes as f64 / 1e9,
-            free as f64 / 1e9,
-            opts.nsamples,
-            opts.seqlen,
-            opts.batch
-        );
-    }
-    Ok(())
+    stages::MemoryPlan::new(
+        p,
+        cuda,
+        device_free,
+        max_device,
+        host_available_bytes(),
+        max_host,
+    )
+    .with_context(|| {
+        format!(
+            "{} calibration tokens ({} windows, --seqlen {}, --batch {}) do not fit",
+            p.tokens, opts.nsamples, opts.seqlen, opts.batch
+        )
+    })
 }
 
 /// `MemAvailable` of /proc/meminfo, where there is one.

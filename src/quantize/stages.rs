@@ -2,6 +2,7 @@
 //! device so asynchronous GPU work is charged to the stage that queued it), the GPU memory
 //! high-water mark, and the preflight estimate printed before the run starts.
 
+use super::layers::store::{Residency, Tier};
 use crate::model::Config;
 use anyhow::Result;
 use candle_core::{DType, Device};
@@ -107,6 +108,8 @@ pub struct Preflight {
     /// The true-sequential stage inputs kept for all windows within a layer: the mixer output
     /// (then the post-attention state) and the MLP activation, bytes.
     pub layer_cache_bytes: u64,
+    /// Hidden-state streams: 2 for GPTAQ (its full-precision stream), else 1.
+    pub streams: u64,
     /// The expected peak on the compute device: hidden states, embeddings and head and one
     /// layer, plus the larger of (mixer cache + forward transient) and (post-attention state +
     /// MLP activation + solve).
@@ -261,6 +264,7 @@ impl Preflight {
             solve_bytes,
             forward_bytes,
             layer_cache_bytes,
+            streams,
             peak_bytes: base + during_mixer.max(during_down),
             forward_flops,
             hessian_flops,
@@ -292,6 +296,126 @@ impl Preflight {
             } else {
                 format!("{:.0}", self.seconds)
             }
+        )
+    }
+}
+
+/// The memory a run may use for its activations, and where it puts them (docs/algorithm.md,
+/// Streaming the calibration): the hidden states on the compute device while they fit, else in
+/// host memory (GPU runs), else on disk; the per-layer caches in what is left on the device.
+#[derive(Debug, Clone, Serialize)]
+pub struct MemoryPlan {
+    /// Bytes the compute device offers the run (free memory, or `--max-gpu-memory`; on the
+    /// CPU, available memory or `--max-host-memory`).
+    pub device_bytes: u64,
+    /// What the run needs there whatever the token count: embeddings and head, the layer(s),
+    /// one batch's forward and the largest solve.
+    pub fixed_bytes: u64,
+    /// Hidden states of every window (both streams for GPTAQ).
+    pub states_bytes: u64,
+    /// The per-layer caches if every batch were kept: mixer outputs and MLP activations.
+    pub caches_bytes: u64,
+    pub residency: Residency,
+    /// Bytes of host memory the states may take (GPU runs), where known.
+    pub host_bytes: Option<u64>,
+}
+
+impl MemoryPlan {
+    /// Places the activations of the run `p` estimates. `device_free`: the device's free bytes
+    /// (None: unknown); `max_device`: the user's cap (`--max-gpu-memory`, or on the CPU
+    /// `--max-host-memory`); `host_free` and `max_host`: the same for host memory on a GPU run.
+    pub fn new(
+        p: &Preflight,
+        cuda: bool,
+        device_free: Option<u64>,
+        max_device: Option<u64>,
+        host_free: Option<u64>,
+        max_host: Option<u64>,
+    ) -> Result<Self> {
+        let fixed =
+            p.embed_head_bytes + p.layer_bytes * p.streams + p.forward_bytes.max(p.solve_bytes);
+        let states = p.hidden_states_bytes * p.streams;
+        let caches = p.layer_cache_bytes;
+        // On the CPU the cap bounds what the activations take, beside the fixed working set.
+        let (device, budget) =
+            if cuda {
+                let avail = match (device_free, max_device) {
+                    (Some(f), Some(m)) => Some(f.min(m)),
+                    (f, m) => f.or(m),
+                };
+                match avail {
+                    Some(a) => {
+                        // Leave room for the allocator's fragmentation and the libraries' workspaces.
+                        let usable = a - a / 20;
+                        if usable < fixed {
+                            anyhow::bail!(
+                            "one layer, one batch and the largest solve need about {:.1} GB on \
+                             the GPU and {:.1} GB are available{}: lower --batch, or use \
+                             shorter windows (--seqlen)",
+                            fixed as f64 / 1e9,
+                            usable as f64 / 1e9,
+                            if max_device.is_some() { " under --max-gpu-memory" } else { "" }
+                        );
+                        }
+                        (a, usable - fixed)
+                    }
+                    None => (u64::MAX, u64::MAX),
+                }
+            } else {
+                let avail = match (device_free, max_device) {
+                    (_, Some(m)) => Some(m),
+                    (Some(f), None) => Some(f.saturating_sub(fixed)),
+                    (None, None) => None,
+                };
+                (avail.unwrap_or(u64::MAX), avail.unwrap_or(u64::MAX))
+            };
+        let host = if cuda {
+            match (host_free, max_host) {
+                (_, Some(m)) => Some(m),
+                (f, None) => f.map(|f| f - f / 10),
+            }
+        } else {
+            None
+        };
+        let tier = if states <= budget {
+            Tier::Device
+        } else if cuda && host.is_none_or(|h| states <= h) {
+            Tier::Host
+        } else {
+            Tier::Disk
+        };
+        let cache_bytes = if tier == Tier::Device {
+            budget - states
+        } else {
+            budget
+        };
+        Ok(Self {
+            device_bytes: device,
+            fixed_bytes: fixed,
+            states_bytes: states,
+            caches_bytes: caches,
+            residency: Residency {
+                states: tier,
+                cache_bytes,
+            },
+            host_bytes: host,
+        })
+    }
+
+    pub fn line(&self) -> String {
+        let kept = if self.caches_bytes == 0 || self.residency.cache_bytes >= self.caches_bytes {
+            "kept".to_string()
+        } else {
+            format!(
+                "{:.0}% kept, the rest recomputed",
+                100.0 * self.residency.cache_bytes as f64 / self.caches_bytes as f64
+            )
+        };
+        format!(
+            "activations: hidden states {:.1} GB {}; layer caches {:.1} GB {kept}",
+            self.states_bytes as f64 / 1e9,
+            self.residency.states.name(),
+            self.caches_bytes as f64 / 1e9,
         )
     }
 }

@@ -111,7 +111,8 @@ pub fn launch(
 }
 
 /// Launches `name` from the kernel file `file` (`gptq`, `infllm`, `gla`: `src/kernels/{file}.cu`)
-/// with the arguments pushed by `args`.
+/// with the arguments pushed by `args`. Dynamic shared memory past the default 48 KiB
+/// (`cfg.shared_mem_bytes`) is allowed on the function first.
 pub fn launch_in(
     dev: &CudaDevice,
     file: &str,
@@ -122,6 +123,18 @@ pub fn launch_in(
     let f = kernel_module(dev, file)?
         .load_function(name)
         .with_context(|| format!("loading CUDA kernel {name}"))?;
+    if cfg.shared_mem_bytes > 48 * 1024 {
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            cfg.shared_mem_bytes as i32,
+        )
+        .with_context(|| {
+            format!(
+                "allowing {} bytes of shared memory to CUDA kernel {name}",
+                cfg.shared_mem_bytes
+            )
+        })?;
+    }
     let stream = dev.cuda_stream();
     let mut b = stream.launch_builder(&f);
     for a in args {

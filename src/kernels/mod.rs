@@ -10,12 +10,15 @@
 //! | the GPTQ column loop | fused in-block kernel (a warp per row) + one SGEMM per block | rayon + faer in `gptq/solver.rs` |
 //! | GPTQ / Marlin decode | `dequant_gptq`, `dequant_marlin` | `format::dequantize_gptq`, `format::quantized::dequantize_module` |
 //! | causal GQA attention of the sparse layers, BF16 in/out | `flash_attn_causal_d{16,32,64,128}_m{64,128}`: fused flash-style (mma.sync BF16, f32 online softmax, P rounded to BF16 for P·V) | `model::minicpm_sala::sparse_attention_composed` (f32 scores, mask, softmax, P·V) |
+//! | Simple-GLA of the lightning layers, BF16 or f32 in, f32 out | `gla_fwd_d{16,32,64,128}_{bf16,f32}` (`gla.rs`, `gla.cu`): chunks of 64 walked in order per (value slice, head, batch), the state slice on chip, f32 FFMA | `model::gla::chunked` (and `chunk_parallel`, the model's form) |
 //!
 //! Besides the kernels, `cuda.rs` holds the transfers: page-locked staging of the codes (device to
 //! host) and of the next decoder layer's weights (`PinnedStage`, host to device).
 //!
-//! The CPU build (the default, and CI) compiles none of this; `tests/cuda_twins.rs` compares
-//! every pair on a GPU machine.
+//! The CPU build (the default, and CI) compiles none of this; `tests/cuda_twins.rs` (and
+//! `tests/cuda_gla.rs` for Simple-GLA) compares every pair on a GPU machine.
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod gla;

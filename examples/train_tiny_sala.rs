@@ -380,6 +380,7 @@ fn main() -> Result<()> {
         dtype: DType::F32,
         device: dev.clone(),
         batch: 8,
+        sparse_attention: soar_gptq::model::SparseAttention::Auto,
     };
     let all_windows = eval::make_windows(&tok, &eval_text, &cfg.clone().into(), &ppl_opts)?;
     let all_refs: Vec<&Vec<u32>> = all_windows.iter().collect();

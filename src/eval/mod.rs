@@ -19,7 +19,7 @@ use crate::format::quantized::{
 use crate::model::{AnyConfig, AnyLayer, AnyModel, SparseAttention};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-pub use score::{log_probs, PositionSums, RangeScore};
+pub use score::{batch_nll, log_probs, PositionSums, RangeScore};
 use std::collections::BTreeMap;
 use std::path::Path;
 

@@ -87,7 +87,11 @@ mod tests {
             "{}",
             &svg[..400]
         );
-        assert_eq!(svg.matches("<polyline").count(), 2);
+        assert_eq!(
+            svg.matches(r#"stroke-width="2""#).count(),
+            2,
+            "one line per model"
+        );
         assert_eq!(svg, kl_by_position_svg(&models, 301).unwrap());
     }
 }

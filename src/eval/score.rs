@@ -106,6 +106,24 @@ pub fn score_batch(
     Ok(())
 }
 
+/// Sum of NLL over the scored positions of a batch of windows from their log-probabilities
+/// `[B, T, V]`, and the number of predictions (for callers that hold whole logits, e.g. the
+/// fixture's trainer).
+pub fn batch_nll(logp: &Tensor, windows: &[Vec<u32>]) -> Result<(f64, usize)> {
+    let (b, t, _) = logp.dims3()?;
+    let targets: Vec<u32> = windows
+        .iter()
+        .flat_map(|w| w[1..].iter().copied())
+        .collect();
+    let targets = Tensor::from_vec(targets, (b, t - 1, 1), logp.device())?;
+    let picked = logp
+        .narrow(1, 0, t - 1)?
+        .contiguous()?
+        .gather(&targets, D::Minus1)?;
+    let sum = picked.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+    Ok((-sum, b * (t - 1)))
+}
+
 /// Log-probabilities `[B, T, V]` (f32) from final hidden states.
 pub fn log_probs(model: &AnyModel, h: &Tensor) -> Result<Tensor> {
     Ok(candle_nn::ops::log_softmax(&model.head(h)?, D::Minus1)?)

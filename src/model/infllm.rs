@@ -70,7 +70,7 @@ impl InfllmV2 {
             );
         }
         let ratio = heads / kv_heads.max(1);
-        if ratio == 0 || !GROUP.is_multiple_of(ratio) || heads % kv_heads.max(1) != 0 {
+        if ratio == 0 || !GROUP.is_multiple_of(ratio) || !heads.is_multiple_of(kv_heads.max(1)) {
             bail!(
                 "num_attention_heads / num_key_value_heads is {heads} / {kv_heads}: InfLLM-v2's \
                  kernels group 16 query heads per kv head and take ratios that divide 16"

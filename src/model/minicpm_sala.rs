@@ -282,16 +282,8 @@ impl DecoderLayer {
                     qh = rope(&qh, &inv_freq)?;
                     kh = rope(&kh, &inv_freq)?;
                 }
-                let f32t = |x: &Tensor| x.transpose(1, 2)?.to_dtype(DType::F32)?.contiguous();
-                let n_rep = c.heads / c.kv_heads;
-                let (qf, kf, vf) = (
-                    f32t(&qh)?,
-                    repeat_kv(&f32t(&kh)?, n_rep)?,
-                    repeat_kv(&f32t(&vh)?, n_rep)?,
-                );
-                let o = gla::chunk_parallel(&qf, &kf, &vf, &c.gammas, c.gla_scale, GLA_CHUNK)?;
+                let o = simple_gla(&qh, &kh, &vh, &c.gammas, c.gla_scale, self.differentiable)?;
                 let mut o = o
-                    .transpose(1, 2)?
                     .reshape((b, t, c.heads * c.head_dim))?
                     .to_dtype(h.dtype())?;
                 if let Some(on) = o_norm {
@@ -383,6 +375,46 @@ pub fn sparse_attention(
         }
     }
     sparse_attention_composed(q, k, v, differentiable)
+}
+
+/// Simple-GLA of a lightning layer (docs/model.md, Simple GLA): q, k `[B, T, H|KV, Dk]`, v
+/// `[B, T, KV, Dv]` in the model dtype → f32 `[B, T, H, Dv]`. On a GPU, untracked by autograd,
+/// the fused chunked kernel (`kernels::gla::forward`: each (batch, head) walks its chunks with
+/// the state on chip, f32 arithmetic); elsewhere the chunk-parallel form, its CPU twin.
+pub fn simple_gla(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    gammas: &[f64],
+    scale: f64,
+    differentiable: bool,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    {
+        let untracked = !(q.track_op() || k.track_op() || v.track_op());
+        let d = q.dim(3)?;
+        let dtypes = [DType::BF16, DType::F32];
+        if !differentiable
+            && untracked
+            && q.device().is_cuda()
+            && dtypes.contains(&q.dtype())
+            && q.dtype() == k.dtype()
+            && q.dtype() == v.dtype()
+            && d == v.dim(3)?
+            && crate::kernels::gla::supports(d)
+        {
+            return crate::kernels::gla::forward(q, k, v, gammas, scale);
+        }
+    }
+    let _ = differentiable;
+    let f32t = |x: &Tensor| x.transpose(1, 2)?.to_dtype(DType::F32)?.contiguous();
+    let n_rep = q.dim(2)? / k.dim(2)?;
+    let (qf, kf, vf) = (
+        f32t(q)?,
+        repeat_kv(&f32t(k)?, n_rep)?,
+        repeat_kv(&f32t(v)?, n_rep)?,
+    );
+    Ok(gla::chunk_parallel(&qf, &kf, &vf, gammas, scale, GLA_CHUNK)?.transpose(1, 2)?)
 }
 
 /// InfLLM-v2 attention of a sparse layer (docs/model.md, InfLLM-v2): q `[B, T, H, D]`, k, v

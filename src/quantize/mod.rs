@@ -388,7 +388,18 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
                 quantized as f64 / 1e9,
                 spill as f64 / 1e9
             ),
-        )?;
+        )
+        .map_err(|e| {
+            if spill == 0 {
+                return e;
+            }
+            e.context(format!(
+                "the hidden states of {} calibration tokens do not fit in memory and would \
+                 spill to disk: lower --nsamples (now {}) or --seqlen (now {}), or give the run \
+                 more memory (--max-host-memory, --max-gpu-memory)",
+                preflight.tokens, opts.nsamples, opts.seqlen
+            ))
+        })?;
     }
 
     // Calibration.

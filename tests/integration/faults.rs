@@ -352,7 +352,7 @@ fn a_run_beyond_the_memory_it_has_is_refused_before_it_starts() {
         "cpu",
     ]);
     assert_fails(&o, 1, "lower --nsamples (now 100000000)");
-    assert!(stderr(&o).contains("GB are free"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("GB free"), "{}", stderr(&o));
     assert!(!out.exists() && !tmp.path().join("q.partial").exists());
     assert!(t0.elapsed() < Duration::from_secs(60));
 }

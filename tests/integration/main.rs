@@ -17,6 +17,7 @@ mod forward_reference;
 mod fuzz;
 mod import_gguf;
 mod llama_family;
+mod long_context;
 mod mixed;
 mod model;
 mod quality_gate;

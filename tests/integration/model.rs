@@ -303,9 +303,9 @@ fn eval_ppl_refuses_what_it_cannot_compute() {
     let data = write_text(tmp.path(), "eval.txt", &sample_text());
     let ds = data.to_str().unwrap();
     assert_fails(
-        &run(&["eval-ppl", "--model", ms, "--data", ds, "--seqlen", "8192"]),
+        &run(&["eval-ppl", "--model", ms, "--data", ds, "--seqlen", "8193"]),
         1,
-        "sparse_config.dense_len = 8192",
+        "above max_position_embeddings = 8192",
     );
     let short = write_text(tmp.path(), "short.txt", "just a few words");
     assert_fails(

@@ -700,8 +700,8 @@ fn bad_inputs_fail_cleanly_without_leaving_an_output() {
     assert_fails_clean(&o, &out, "the weight must be a positive number");
 
     // Settings the tool cannot honour.
-    let o = q(&["--seqlen", "8192"]);
-    assert_fails_clean(&o, &out, "sparse_config.dense_len = 8192");
+    let o = q(&["--seqlen", "8193"]);
+    assert_fails_clean(&o, &out, "above max_position_embeddings = 8192");
     let o = q(&["--group-size", "96"]);
     assert_fails_clean(
         &o,
@@ -714,7 +714,7 @@ fn bad_inputs_fail_cleanly_without_leaving_an_output() {
         (&["--damp", "0"], "is not a damping fraction"),
         (&["--damp", "2"], "is not a damping fraction"),
         (&["--nsamples", "0"], "is not a positive whole number"),
-        (&["--seqlen", "0"], "is not a positive whole number"),
+        (&["--seqlen", "0"], "is not a window length"),
         (&["--batch", "0"], "is not a positive whole number"),
         (&["--group-size", "0"], "is not a group size"),
         (&["--group-size", "-2"], "is not a group size"),

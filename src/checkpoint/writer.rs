@@ -640,6 +640,22 @@ pub fn partial_path(out: &Path) -> PathBuf {
     PathBuf::from(s)
 }
 
+/// The SHA-256 of every safetensors file of `ck`, by file name (the files hashed in parallel):
+/// what `quantize` records of its source (`quantize_report.json`, `hashes.source_sha256`) and
+/// what `sensitivity` compares with it.
+pub fn shard_sha256(ck: &super::Checkpoint) -> Result<BTreeMap<String, String>> {
+    let files: Vec<&Path> = ck.shards.iter().map(|s| s.path.as_path()).collect();
+    files
+        .par_iter()
+        .map(|p| {
+            Ok((
+                p.file_name().unwrap().to_string_lossy().into_owned(),
+                sha256_file(p)?,
+            ))
+        })
+        .collect()
+}
+
 pub fn sha256_file(path: &Path) -> Result<String> {
     let mut f =
         std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;

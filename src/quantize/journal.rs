@@ -9,7 +9,6 @@ use super::Settings;
 use crate::checkpoint::writer::{self, sha256_file, TensorSpec};
 use crate::checkpoint::{Checkpoint, Dtype};
 use anyhow::{bail, Context, Result};
-use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
@@ -60,7 +59,7 @@ impl SourceChecks {
         let handle = std::thread::spawn(move || {
             let t = std::time::Instant::now();
             let ck = Checkpoint::open(&dir)?;
-            let (finite, sums) = rayon::join(|| ck.check_finite(), || source_sha256(&ck));
+            let (finite, sums) = rayon::join(|| ck.check_finite(), || writer::shard_sha256(&ck));
             finite?;
             let sums = sums?;
             crate::source::verify_shards(&dir, &sums)?;
@@ -101,20 +100,6 @@ impl SourceChecks {
             }
         }
     }
-}
-
-/// The SHA-256 of every safetensors file of `ck`, by file name (the files hashed in parallel).
-pub fn source_sha256(ck: &Checkpoint) -> Result<BTreeMap<String, String>> {
-    let files: Vec<&Path> = ck.shards.iter().map(|s| s.path.as_path()).collect();
-    files
-        .par_iter()
-        .map(|p| {
-            Ok((
-                p.file_name().unwrap().to_string_lossy().into_owned(),
-                sha256_file(p)?,
-            ))
-        })
-        .collect()
 }
 
 impl Hashes {

@@ -9,6 +9,7 @@
 //! states are the quantized model's (or the reference's) until the layer of its unit, where it
 //! branches off and runs on from there. The cost is about (layers / 2) evaluations.
 
+use crate::checkpoint::guard::OutputFile;
 use crate::eval::{batch_nll, kl_and_agreement, log_probs, make_windows, LoadedModel, PplOptions};
 use crate::format::quantized::{engine_name, exact_pattern};
 use crate::model::{AnyLayer, LinearGroup};
@@ -17,7 +18,7 @@ use candle_core::{DType, Tensor};
 use serde::Serialize;
 use serde_json::{Map, Value};
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 /// How finely the checkpoint is cut into units.
@@ -584,19 +585,44 @@ impl SensitivityReport {
     }
 }
 
-/// Writes the plan file next to nothing the run read.
-pub fn write_plan(path: &Path, r: &SensitivityReport, inputs: &[PathBuf]) -> Result<()> {
+/// Writes the plan file through the output guard (`out` was checked before the scoring pass).
+pub fn write_plan(out: &OutputFile, r: &SensitivityReport) -> Result<()> {
     let Some(v) = plan_file(r) else {
         bail!("--plan-out needs a plan: give --budget-gb, --budget-pct or --kl-target");
     };
-    let inputs: Vec<crate::checkpoint::guard::InputPath> = inputs
+    let text = serde_json::to_string_pretty(&v)? + "\n";
+    out.write(|tmp| Ok(std::fs::write(tmp, &text)?))
+        .with_context(|| format!("writing --plan-out {}", out.path().display()))
+}
+
+/// Why a plan chose no unit, for the message that refuses to write it.
+pub fn empty_plan_reason(r: &SensitivityReport, opts: &SensitivityOptions) -> String {
+    let base = r.quantized_score.mean_kl;
+    if let Some(t) = opts.kl_target.filter(|&t| base <= t) {
+        return format!(
+            "the quantized checkpoint's mean KL {base:.5} already meets --kl-target {t}"
+        );
+    }
+    let extra = |u: &Unit| {
+        let to = if opts.upgrade_bits >= 16 {
+            u.bytes_16bit
+        } else {
+            u.bytes_8bit
+        };
+        to.saturating_sub(u.bytes)
+    };
+    let cheapest = r
+        .units
         .iter()
-        .map(|p| crate::checkpoint::guard::InputPath::new("an input", p))
-        .collect();
-    crate::checkpoint::guard::check_output("--plan-out", path, &[], &inputs)?;
-    crate::checkpoint::writer::write_atomic(path, |tmp| {
-        std::fs::write(tmp, serde_json::to_string_pretty(&v)? + "\n")?;
-        Ok(())
-    })
-    .with_context(|| format!("writing --plan-out {}", path.display()))
+        .filter(|u| u.kl_gain > 0.0 && extra(u) > 0)
+        .map(extra)
+        .min();
+    match (cheapest, r.plan.as_ref().and_then(|p| p.budget_bytes)) {
+        (None, _) => "no unit lowers the mean KL when restored".to_string(),
+        (Some(c), Some(b)) => format!(
+            "no unit fits the budget of {b} extra bytes (the cheapest that helps needs {c}); \
+             raise --budget-gb or --budget-pct"
+        ),
+        (Some(_), None) => "no unit was chosen".to_string(),
+    }
 }

@@ -1,6 +1,7 @@
 //! The `soar-gptq` command line: argument parsing, dispatch, and the exit-code contract
 //! (0 success, 2 usage error, 1 any other failure with one clear message on stderr).
 
+use crate::checkpoint::guard::{self, InputPath, OutputFile};
 use crate::checkpoint::writer::DEFAULT_SHARD_BYTES;
 use crate::device::DeviceSpec;
 use crate::eval::{PplOptions, DEFAULT_EVAL_TEXT};
@@ -86,6 +87,9 @@ pub struct SensitivityArgs {
     /// Write the plan (GPTQModel `dynamic` rules) to this JSON file for `quantize --plan`.
     #[arg(long)]
     pub plan_out: Option<PathBuf>,
+    /// Replace --plan-out if it exists (a regular file only: never a folder, device or input).
+    #[arg(long)]
+    pub force: bool,
     /// auto, cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
     pub device: DeviceSpec,
@@ -654,8 +658,28 @@ fn run(cli: Cli) -> Result<()> {
                      --kl-target",
                 );
             }
+            // --plan-out is checked against every input before anything is read or
+            // downloaded, and again with the resolved model's files.
+            let mut inputs = vec![InputPath::new("--quantized", &a.quantized)];
+            if a.data != "default" {
+                inputs.push(InputPath::new("--data", &a.data));
+            }
+            inputs.push(InputPath::new(
+                "--model",
+                crate::source::cache_repo_dir(&a.model).unwrap_or_else(|| a.model.clone().into()),
+            ));
+            let check_plan_out = |inputs: &[InputPath]| {
+                a.plan_out
+                    .as_ref()
+                    .map(|p| OutputFile::check("--plan-out", p, a.force, inputs))
+                    .transpose()
+            };
+            check_plan_out(&inputs)?;
             let text = read_eval_text(&a.data)?;
             let src = crate::source::resolve(&a.model, a.revision.as_deref())?;
+            inputs.extend(guard::model_inputs("--model", &src.dir));
+            inputs.extend(guard::model_inputs("--quantized", &a.quantized));
+            let plan_out = check_plan_out(&inputs)?;
             let device = a.device.open()?;
             let opts = crate::sensitivity::SensitivityOptions {
                 eval: PplOptions {
@@ -680,16 +704,27 @@ fn run(cli: Cli) -> Result<()> {
                 kl_target: a.kl_target,
             };
             let r = crate::sensitivity::sensitivity(&src.dir, &a.quantized, &text, &opts)?;
-            if let Some(p) = &a.plan_out {
-                crate::sensitivity::write_plan(p, &r, &[src.dir.clone(), a.quantized.clone()])?;
+            // A plan without rules would change nothing: it is not written (quantize refuses
+            // one), and the run fails after the table, saying why.
+            let empty = r.plan.as_ref().is_some_and(|p| p.units.is_empty());
+            if let Some(out) = plan_out.as_ref().filter(|_| !empty) {
+                crate::sensitivity::write_plan(out, &r)?;
             }
             if a.json {
                 crate::outln!("{}", serde_json::to_string_pretty(&r)?);
             } else {
                 r.print_text();
-                if let Some(p) = &a.plan_out {
+                if let Some(p) = a.plan_out.as_ref().filter(|_| !empty) {
                     crate::outln!("wrote {}", p.display());
                 }
+            }
+            if let Some(p) = a.plan_out.as_ref().filter(|_| empty) {
+                bail!(
+                    "the plan chose no unit: {}; nothing was written to --plan-out {} (a plan \
+                     without rules would change nothing)",
+                    crate::sensitivity::empty_plan_reason(&r, &opts),
+                    p.display()
+                );
             }
         }
         Command::EvalPpl(a) => {

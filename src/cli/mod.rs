@@ -232,6 +232,10 @@ pub struct QuantizeArgs {
     /// --plan-out` (docs/usage.md, Mixed precision).
     #[arg(long)]
     pub plan: Option<PathBuf>,
+    /// Accept --plan rules that change nothing (that match no module, or only modules --skip or
+    /// earlier rules decide); without it such a plan is refused, naming them.
+    #[arg(long, requires = "plan")]
+    pub allow_unmatched_rules: bool,
     /// auto, cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
     pub device: DeviceSpec,
@@ -521,6 +525,7 @@ fn run(cli: Cli) -> Result<()> {
                 seed: a.seed,
                 skip: a.skip.clone(),
                 plan: a.plan.clone(),
+                allow_unmatched_rules: a.allow_unmatched_rules,
                 dtype: compute_dtype(a.dtype, &device),
                 device,
                 true_sequential: !a.no_true_sequential,

@@ -70,6 +70,8 @@ pub struct QuantizeOptions {
     pub skip: Vec<String>,
     /// Per-module bits and group sizes (`--plan`: a JSON file with GPTQModel `dynamic` rules).
     pub plan: Option<PathBuf>,
+    /// Accept `--plan` rules that decide no module (else they are refused).
+    pub allow_unmatched_rules: bool,
     pub device: Device,
     pub dtype: DType,
     pub true_sequential: bool,
@@ -261,7 +263,24 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         bits: opts.bits,
         group_size: opts.group_size,
     };
-    let plan = plan::Plan::build(&cfg, &opts.skip, &rules, default_scheme)?;
+    let unmatched = if opts.allow_unmatched_rules {
+        plan::Unmatched::Allow
+    } else {
+        plan::Unmatched::Refuse
+    };
+    let plan = plan::Plan::build(&cfg, &opts.skip, &rules, default_scheme, unmatched)?;
+    if plan.unused_rules > 0 {
+        eprintln!(
+            "note: {} --plan rule(s) change nothing (accepted with --allow-unmatched-rules): {}{}",
+            plan.unused_rules,
+            plan.unused_reasons.join("; "),
+            if plan.unused_rules > plan.unused_reasons.len() {
+                "; ..."
+            } else {
+                ""
+            }
+        );
+    }
     let layout = opts.layout();
     let settings = Settings {
         method: opts.method,

@@ -309,8 +309,9 @@ fn header_bytes(group: &[&TensorSpec]) -> Vec<u8> {
 }
 
 /// Replaces `path` atomically: `write` fills `<path>.tmp`, which is synced and renamed over
-/// `path`, so a crash or a full disk leaves the old file or the new one, never a torn one. The
-/// one write-and-rename of the tool (journal, Hessian files).
+/// `path`, so a crash or a full disk leaves the old file or the new one, never a torn one. For
+/// files inside a folder the tool made itself (the journal in `<out>.partial`); a file at a path
+/// the user names goes through [`guard::OutputFile`] instead.
 pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");

@@ -9,6 +9,7 @@ use super::plan::{ModulePlan, Plan};
 use super::stages::{StageClock, Stages};
 use super::stream::StreamFeed;
 use super::{Method, ModuleRow, QuantizeOptions};
+use crate::checkpoint::guard::{InputPath, OutputFile};
 use crate::checkpoint::Checkpoint;
 use crate::format;
 use crate::gptq::{
@@ -37,6 +38,8 @@ pub(super) struct LayerRun<'a> {
     pub jdir: &'a Path,
     /// The shard stream, told of each layer as it is recorded (replayed layers first).
     pub feed: &'a StreamFeed,
+    /// Every input of the run, which no `--save-hessians` file may be.
+    pub inputs: &'a [InputPath],
 }
 
 impl LayerRun<'_> {
@@ -497,7 +500,14 @@ impl<'r, 's> Pass<'r, 's> {
         }
         for (g, a) in &subset.acc {
             if let Some(dir) = &opts.save_hessians {
-                a.save(&dir.join(format!("layer-{i:05}.{}.safetensors", g.name())))?;
+                let path = dir.join(format!("layer-{i:05}.{}.safetensors", g.name()));
+                // --force or --resume allowed the folder's old files to be replaced.
+                a.save(&OutputFile::check(
+                    "--save-hessians",
+                    &path,
+                    true,
+                    self.run.inputs,
+                )?)?;
             }
             subset.hessians.insert(*g, a.hessian()?);
             if let Some(d) = a.cross_term()? {

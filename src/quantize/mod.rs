@@ -170,14 +170,31 @@ fn side_inputs(opts: &QuantizeOptions) -> Vec<InputPath> {
     v
 }
 
+/// What `--save-hessians` and its files may not be: the inputs, `--out` and its partial folder.
+fn hessian_guard(opts: &QuantizeOptions, inputs: &[InputPath]) -> Vec<InputPath> {
+    let mut all = inputs.to_vec();
+    all.push(InputPath::new("--out", &opts.out));
+    all.push(InputPath::new("--out", writer::partial_path(&opts.out)));
+    all
+}
+
 /// `--save-hessians` is an output too: it may not alias an input or `--out`, and an existing
 /// folder that holds files is written into only with `--force` (or `--resume`, which continues
 /// the run that filled it).
 fn check_hessian_dir(dir: &Path, opts: &QuantizeOptions, inputs: &[InputPath]) -> Result<()> {
-    let mut all = inputs.to_vec();
-    all.push(InputPath::new("--out", &opts.out));
-    all.push(InputPath::new("--out", writer::partial_path(&opts.out)));
-    guard::check_output("--save-hessians", dir, &[], &all)?;
+    guard::check_output("--save-hessians", dir, &[], &hessian_guard(opts, inputs))?;
+    if let Some(m) = std::fs::metadata(dir).ok().filter(|m| !m.is_dir()) {
+        bail!(
+            "--save-hessians {} is {}, not a folder: give a folder for the Hessian files (it is \
+             created if missing)",
+            dir.display(),
+            if m.is_file() {
+                "a file"
+            } else {
+                "a device, FIFO or socket"
+            }
+        );
+    }
     if dir.exists() && !opts.force && !opts.resume {
         let used = std::fs::read_dir(dir)
             .with_context(|| format!("cannot list --save-hessians {}", dir.display()))?
@@ -462,6 +479,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
             quant,
             jdir: &jdir,
             feed: &feed,
+            inputs: &hessian_guard(opts, &inputs),
         }
         .run(&mut journal, &mut stages, &mut source_checks);
         drop(feed);

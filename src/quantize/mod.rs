@@ -440,12 +440,12 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     let mut journal = if opts.resume && journal_exists {
         let j = Journal::load(&jdir)?;
         j.check_layers(&jdir, cfg.num_hidden_layers())?;
-        j.check_matches(&hashes)?;
+        j.check_matches(&hashes, &settings)?;
         j
     } else {
         std::fs::create_dir_all(&jdir)
             .with_context(|| format!("cannot create {}", jdir.display()))?;
-        Journal::new(hashes.clone())
+        Journal::new(hashes.clone(), &settings)?
     };
     if let Some(dir) = &opts.save_hessians {
         check_hessian_dir(dir, opts, &inputs)?;

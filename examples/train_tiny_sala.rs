@@ -380,6 +380,7 @@ fn main() -> Result<()> {
         dtype: DType::F32,
         device: dev.clone(),
         batch: 8,
+        text_name: "the evaluation text".to_string(),
     };
     let all_windows = eval::make_windows(&tok, &eval_text, &cfg.clone().into(), &ppl_opts)?;
     let all_refs: Vec<&Vec<u32>> = all_windows.iter().collect();

@@ -58,8 +58,8 @@ pub struct SensitivityArgs {
     /// Text file to score, or `default` for the evaluation text compiled into the binary.
     #[arg(long, default_value = "default")]
     pub data: String,
-    /// Window length in tokens.
-    #[arg(long, default_value_t = 512, value_parser = parse_positive)]
+    /// Window length in tokens (at least 2: a window scores its next-token predictions).
+    #[arg(long, default_value_t = 512, value_parser = parse_window)]
     pub seqlen: usize,
     /// Score at most this many windows.
     #[arg(long, default_value_t = 64, value_parser = parse_positive)]
@@ -161,8 +161,8 @@ pub struct EvalPplArgs {
     /// Text file to score, or `default` for the evaluation text compiled into the binary.
     #[arg(long, default_value = "default")]
     pub data: String,
-    /// Window length in tokens.
-    #[arg(long, default_value_t = 2048, value_parser = parse_positive)]
+    /// Window length in tokens (at least 2: a window scores its next-token predictions).
+    #[arg(long, default_value_t = 2048, value_parser = parse_window)]
     pub seqlen: usize,
     /// Score at most this many windows.
     #[arg(long, value_parser = parse_positive)]
@@ -218,8 +218,8 @@ pub struct QuantizeArgs {
     /// Calibration windows.
     #[arg(long, default_value_t = 128, value_parser = parse_positive)]
     pub nsamples: usize,
-    /// Tokens per calibration window.
-    #[arg(long, default_value_t = 2048, value_parser = parse_positive)]
+    /// Tokens per calibration window (at least 2).
+    #[arg(long, default_value_t = 2048, value_parser = parse_window)]
     pub seqlen: usize,
     /// Seed for drawing calibration windows.
     #[arg(long, default_value_t = 0)]
@@ -393,6 +393,18 @@ fn parse_positive(s: &str) -> std::result::Result<usize, String> {
     }
 }
 
+/// A window of tokens (calibration or evaluation): one token has no next-token prediction.
+fn parse_window(s: &str) -> std::result::Result<usize, String> {
+    match parse_positive(s)? {
+        1 => Err(
+            "1 token is not a window: use at least 2 tokens (a window predicts each token from \
+             the ones before it)"
+                .to_string(),
+        ),
+        n => Ok(n),
+    }
+}
+
 #[derive(clap::Args, Debug)]
 pub struct PackMarlinArgs {
     /// GPTQ checkpoint folder.
@@ -477,6 +489,15 @@ fn read_eval_text(data: &str) -> Result<String> {
     }
     crate::checkpoint::guard::regular_file(std::path::Path::new(data), "--data")?;
     std::fs::read_to_string(data).with_context(|| format!("cannot read --data {data}"))
+}
+
+/// `--data` as messages name it.
+fn text_name(data: &str) -> String {
+    if data == "default" {
+        "the built-in evaluation text (--data default)".to_string()
+    } else {
+        format!("--data {data}")
+    }
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -694,6 +715,7 @@ fn run(cli: Cli) -> Result<()> {
                     dtype: compute_dtype(a.dtype, &device),
                     batch: a.batch,
                     device,
+                    text_name: text_name(&a.data),
                 },
                 granularity: match a.granularity {
                     GranularityArg::Block => crate::sensitivity::Granularity::Block,
@@ -742,6 +764,7 @@ fn run(cli: Cli) -> Result<()> {
                 dtype: compute_dtype(a.dtype, &device),
                 batch: a.batch,
                 device,
+                text_name: text_name(&a.data),
             };
             let text = read_eval_text(&a.data)?;
             let c = crate::eval::compare(&src.dir, &a.compare, &text, &opts)?;

@@ -574,6 +574,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
                 dtype: opts.dtype,
                 device: opts.device.clone(),
                 batch: opts.batch,
+                text_name: "the built-in evaluation text".to_string(),
             };
             let mut c = crate::eval::compare(
                 &src.dir,

@@ -381,6 +381,7 @@ fn main() -> Result<()> {
         device: dev.clone(),
         batch: 8,
         sparse_attention: soar_gptq::model::SparseAttention::Auto,
+        text_name: "the evaluation text".to_string(),
     };
     let all_windows = eval::make_windows(&tok, &eval_text, &cfg.clone().into(), &ppl_opts)?;
     let all_refs: Vec<&Vec<u32>> = all_windows.iter().collect();

@@ -9,6 +9,8 @@ use std::sync::{Mutex, MutexGuard};
 
 /// Partial folders and lock files of the outputs being written.
 static OPEN: Mutex<Vec<(PathBuf, PathBuf)>> = Mutex::new(Vec::new());
+/// Temporary files of single-file outputs being written (`guard::OutputFile`).
+static TEMP_FILES: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 /// Held while an output is renamed into place.
 static CRITICAL: Mutex<()> = Mutex::new(());
 
@@ -43,6 +45,9 @@ pub fn install() {
                     }
                 }
                 let _ = std::fs::remove_file(lockfile);
+            }
+            for tmp in lock(&TEMP_FILES).iter() {
+                let _ = std::fs::remove_file(tmp);
             }
             if kept.is_empty() {
                 eprintln!("interrupted ({name}): nothing was written");
@@ -82,6 +87,25 @@ pub struct Registration {
 impl Drop for Registration {
     fn drop(&mut self) {
         lock(&OPEN).retain(|(p, _)| p != &self.partial);
+    }
+}
+
+/// Records the temporary file of a single-file output until the guard drops; a signal removes
+/// it.
+pub fn register_temp_file(tmp: &Path) -> TempRegistration {
+    lock(&TEMP_FILES).push(tmp.to_path_buf());
+    TempRegistration {
+        tmp: tmp.to_path_buf(),
+    }
+}
+
+pub struct TempRegistration {
+    tmp: PathBuf,
+}
+
+impl Drop for TempRegistration {
+    fn drop(&mut self) {
+        lock(&TEMP_FILES).retain(|p| p != &self.tmp);
     }
 }
 

@@ -9,6 +9,8 @@
 //! states are the quantized model's (or the reference's) until the layer of its unit, where it
 //! branches off and runs on from there. The cost is about (layers / 2) evaluations.
 
+use crate::checkpoint::guard::OutputFile;
+use crate::checkpoint::Checkpoint;
 use crate::eval::score::{score_batch, PositionSums};
 use crate::eval::{make_windows, LoadedModel, PplOptions};
 use crate::format::quantized::{engine_name, exact_pattern};
@@ -18,8 +20,11 @@ use candle_core::{DType, Tensor};
 use serde::Serialize;
 use serde_json::{Map, Value};
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
+
+/// The report `quantize` writes into its output, with the hashes of the source it read.
+pub const QUANTIZE_REPORT: &str = "quantize_report.json";
 
 /// How finely the checkpoint is cut into units.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -169,6 +174,7 @@ pub fn sensitivity(
             reference.display()
         );
     }
+    check_made_from(reference, &rlm.ck, quantized)?;
     let cfg = &rlm.cfg;
     let units = build_units(&rlm, qmods, opts.granularity);
     if units.is_empty() {
@@ -590,19 +596,126 @@ impl SensitivityReport {
     }
 }
 
-/// Writes the plan file next to nothing the run read.
-pub fn write_plan(path: &Path, r: &SensitivityReport, inputs: &[PathBuf]) -> Result<()> {
+/// Writes the plan file through the output guard (`out` was checked before the scoring pass).
+pub fn write_plan(out: &OutputFile, r: &SensitivityReport) -> Result<()> {
     let Some(v) = plan_file(r) else {
         bail!("--plan-out needs a plan: give --budget-gb, --budget-pct or --kl-target");
     };
-    let inputs: Vec<crate::checkpoint::guard::InputPath> = inputs
+    let text = serde_json::to_string_pretty(&v)? + "\n";
+    out.write(|tmp| Ok(std::fs::write(tmp, &text)?))
+        .with_context(|| format!("writing --plan-out {}", out.path().display()))
+}
+
+/// Why a plan chose no unit, for the message that refuses to write it.
+pub fn empty_plan_reason(r: &SensitivityReport, opts: &SensitivityOptions) -> String {
+    let base = r.quantized_score.mean_kl;
+    if let Some(t) = opts.kl_target.filter(|&t| base <= t) {
+        return format!(
+            "the quantized checkpoint's mean KL {base:.5} already meets --kl-target {t}"
+        );
+    }
+    let extra = |u: &Unit| {
+        let to = if opts.upgrade_bits >= 16 {
+            u.bytes_16bit
+        } else {
+            u.bytes_8bit
+        };
+        to.saturating_sub(u.bytes)
+    };
+    let cheapest = r
+        .units
         .iter()
-        .map(|p| crate::checkpoint::guard::InputPath::new("an input", p))
-        .collect();
-    crate::checkpoint::guard::check_output("--plan-out", path, &[], &inputs)?;
-    crate::checkpoint::writer::write_atomic(path, |tmp| {
-        std::fs::write(tmp, serde_json::to_string_pretty(&v)? + "\n")?;
-        Ok(())
-    })
-    .with_context(|| format!("writing --plan-out {}", path.display()))
+        .filter(|u| u.kl_gain > 0.0 && extra(u) > 0)
+        .map(extra)
+        .min();
+    match (cheapest, r.plan.as_ref().and_then(|p| p.budget_bytes)) {
+        (None, _) => "no unit lowers the mean KL when restored".to_string(),
+        (Some(c), Some(b)) => format!(
+            "no unit fits the budget of {b} extra bytes (the cheapest that helps needs {c}); \
+             raise --budget-gb or --budget-pct"
+        ),
+        (Some(_), None) => "no unit was chosen".to_string(),
+    }
+}
+
+/// Whether `quantized` was made from `reference`, as far as its `quantize_report.json` tells:
+/// the report records the SHA-256 of every source shard (`hashes.source_sha256`) and of the
+/// source's config.json. Other weights are refused, naming both folders; a config.json that
+/// differs while the weights match is a note. A folder without that record (made by another
+/// tool, or repacked by `pack-marlin`, which keeps no report) cannot be checked: a note says so.
+pub fn check_made_from(reference: &Path, ck: &Checkpoint, quantized: &Path) -> Result<()> {
+    let report = quantized.join(QUANTIZE_REPORT);
+    let unchecked = |why: &str| {
+        eprintln!(
+            "note: --quantized {} {why}, so whether it was made from --model {} cannot be \
+             checked; make sure it was",
+            quantized.display(),
+            reference.display()
+        );
+    };
+    if std::fs::symlink_metadata(&report).is_err() {
+        unchecked(&format!(
+            "has no {QUANTIZE_REPORT} (it was not written by soar-gptq quantize, or was repacked)"
+        ));
+        return Ok(());
+    }
+    crate::checkpoint::guard::regular_file(&report, "--quantized's report")?;
+    let text = std::fs::read_to_string(&report)
+        .with_context(|| format!("cannot read {}", report.display()))?;
+    let v: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+    let recorded: Option<BTreeMap<String, String>> = v["hashes"]["source_sha256"]
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .filter_map(|(k, h)| Some((k.clone(), h.as_str()?.to_string())))
+                .collect()
+        })
+        .filter(|m: &BTreeMap<String, String>| !m.is_empty());
+    let Some(recorded) = recorded else {
+        unchecked(&format!(
+            "has a {QUANTIZE_REPORT} without the source's hashes"
+        ));
+        return Ok(());
+    };
+    let source = v["model"].as_str().unwrap_or("its source");
+    let now = crate::checkpoint::writer::shard_sha256(ck)?;
+    if now != recorded {
+        let short = |h: &str| h.chars().take(12).collect::<String>();
+        let diff = recorded
+            .iter()
+            .find_map(|(f, h)| match now.get(f) {
+                None => Some(format!("{f} is recorded but --model has no such file")),
+                Some(n) if n != h => Some(format!(
+                    "{f} is recorded as {}… but --model's is {}…",
+                    short(h),
+                    short(n)
+                )),
+                Some(_) => None,
+            })
+            .or_else(|| {
+                now.keys()
+                    .find(|f| !recorded.contains_key(*f))
+                    .map(|f| format!("--model has {f}, which the record does not list"))
+            })
+            .unwrap_or_default();
+        bail!(
+            "--quantized {} was not made from --model {}: its {QUANTIZE_REPORT} records the \
+             weights of its source ({source}), and --model's differ ({diff}); give the \
+             checkpoint quantized from --model, or the --model it was quantized from",
+            quantized.display(),
+            reference.display()
+        );
+    }
+    if let Some(c) = v["hashes"]["config_sha256"].as_str() {
+        let cfg = reference.join("config.json");
+        if crate::checkpoint::writer::sha256_file(&cfg).is_ok_and(|h| h != c) {
+            eprintln!(
+                "note: --model {}'s config.json differs from the one --quantized {} was made \
+                 from (the weights are the same)",
+                reference.display(),
+                quantized.display()
+            );
+        }
+    }
+    Ok(())
 }

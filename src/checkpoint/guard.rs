@@ -6,7 +6,9 @@
 //! The rule comes from data loss: `quantize --model M --out M --force` used to replace the source
 //! with its own output, and spellings such as `M/`, `M/../M`, a symlink to `M` or a parent of `M`
 //! did the same. Every command passes its inputs to [`OutputDir`](super::OutputDir), which calls
-//! [`check_output`] before it touches the disk.
+//! [`check_output`] before it touches the disk; a single file at a path the user names goes
+//! through [`OutputFile`], which adds the rules of files (never a folder or device, an existing
+//! file only with `--force`, a fresh exclusive temporary name).
 
 use anyhow::{bail, Context, Result};
 use std::io::{Read, Seek, Write};
@@ -215,6 +217,192 @@ pub fn check_output(flag: &str, out: &Path, extra: &[PathBuf], inputs: &[InputPa
     Ok(())
 }
 
+/// A file a command writes at a path the user named (`sensitivity --plan-out`, the files of
+/// `quantize --save-hessians`): [`OutputFile::check`] runs every check before any heavy work,
+/// [`OutputFile::write`] writes it.
+///
+/// The rules: the path (symlinks followed) may not be, or sit inside, any input of the command;
+/// it may not name a folder; what is there may only be a regular file, and is replaced only with
+/// `force` (a device node, FIFO or socket is never replaced); its folder must exist. The content
+/// goes to a fresh temporary file beside it (a new name, created exclusively, so never an
+/// existing file and never an input), is synced, and is renamed into place; a failed or
+/// interrupted write removes the temporary file and leaves what was there as it was.
+#[derive(Debug, Clone)]
+pub struct OutputFile {
+    flag: String,
+    /// As the user wrote it, for messages.
+    shown: PathBuf,
+    /// Where it is written: absolute, symlinks followed.
+    target: PathBuf,
+    force: bool,
+    inputs: Vec<InputPath>,
+}
+
+impl OutputFile {
+    /// Checks `path` as the output file of `flag` against `inputs`; `force` allows replacing
+    /// an existing regular file.
+    pub fn check(flag: &str, path: &Path, force: bool, inputs: &[InputPath]) -> Result<Self> {
+        let spelled = path.to_string_lossy();
+        if spelled.is_empty() || names_dot(path) || spelled.ends_with('/') {
+            bail!(
+                "{flag} {spelled:?} names a folder: give the name of a file (e.g. {flag} \
+                 plan.json)"
+            );
+        }
+        check_output(flag, path, &[], inputs)?;
+        let target = resolve(path)?;
+        let me = Self {
+            flag: flag.to_string(),
+            shown: path.to_path_buf(),
+            target,
+            force,
+            inputs: inputs.to_vec(),
+        };
+        me.check_target()?;
+        let parent = me.target.parent().unwrap_or(Path::new("/"));
+        match std::fs::metadata(parent) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => bail!(
+                "{flag} {}: {} is not a folder",
+                me.shown.display(),
+                parent.display()
+            ),
+            Err(_) => bail!(
+                "{flag} {}: its folder {} does not exist; create it first or choose a file in \
+                 an existing folder",
+                me.shown.display(),
+                parent.display()
+            ),
+        }
+        #[cfg(unix)]
+        {
+            use std::os::unix::ffi::OsStrExt;
+            if let Ok(c) = std::ffi::CString::new(parent.as_os_str().as_bytes()) {
+                // SAFETY: `c` is a valid NUL-terminated path.
+                if unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
+                    bail!(
+                        "{flag} {}: the folder {} is not writable ({}); choose another place",
+                        me.shown.display(),
+                        parent.display(),
+                        std::io::Error::last_os_error()
+                    );
+                }
+            }
+        }
+        Ok(me)
+    }
+
+    /// The path as the user gave it.
+    pub fn path(&self) -> &Path {
+        &self.shown
+    }
+
+    /// What is at the target now may be replaced: nothing, or a regular file with `force`.
+    fn check_target(&self) -> Result<()> {
+        let (flag, shown) = (&self.flag, self.shown.display());
+        let m = match std::fs::symlink_metadata(&self.target) {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(e).with_context(|| format!("cannot read {flag} {shown}")),
+        };
+        let t = m.file_type();
+        if t.is_symlink() {
+            bail!(
+                "{flag} {shown} is a symlink to a file that does not exist ({}): remove the link \
+                 or choose another name",
+                std::fs::read_link(&self.target)
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default()
+            );
+        }
+        if t.is_dir() {
+            bail!(
+                "{flag} {shown} is a folder: give the name of a file (e.g. {flag} {})",
+                self.shown.join("plan.json").display()
+            );
+        }
+        if !t.is_file() {
+            bail!(
+                "{flag} {shown} is not a regular file (a device, FIFO or socket): it is never \
+                 replaced, even with --force; choose the name of a file"
+            );
+        }
+        if !self.force {
+            bail!(
+                "{flag} {shown} already exists: pass --force to replace it, or choose another name"
+            );
+        }
+        Ok(())
+    }
+
+    /// Writes the file: `write` fills a fresh temporary file beside it (given its path), which
+    /// is synced and renamed into place. On any failure the temporary file is removed and the
+    /// target left as it was.
+    pub fn write(&self, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let dir = self.target.parent().unwrap_or(Path::new("/"));
+        let name = self
+            .target
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let (tmp, file) = loop {
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            let tmp = dir.join(format!(".{name}.{}-{n}.tmp", std::process::id()));
+            check_output(&self.flag, &tmp, &[], &self.inputs)?;
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&tmp)
+            {
+                Ok(f) => break (tmp, f),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(e) => {
+                    return Err(e).with_context(|| {
+                        format!(
+                            "cannot create a temporary file in {} for {} {}",
+                            dir.display(),
+                            self.flag,
+                            self.shown.display()
+                        )
+                    })
+                }
+            }
+        };
+        let registered = crate::interrupt::register_temp_file(&tmp);
+        drop(file);
+        let written = write(&tmp)
+            .and_then(|()| -> Result<()> {
+                std::fs::File::open(&tmp)?.sync_all()?;
+                Ok(crate::fault::write_point("a temporary file written")?)
+            })
+            .with_context(|| format!("cannot write {} (disk full?)", tmp.display()))
+            // Whatever appeared at the target meanwhile is checked again before it is replaced.
+            .and_then(|()| self.check_target());
+        let renamed = written.and_then(|()| {
+            let _commit = crate::interrupt::critical();
+            std::fs::rename(&tmp, &self.target).with_context(|| {
+                format!(
+                    "cannot rename {} to {}",
+                    tmp.display(),
+                    self.target.display()
+                )
+            })
+        });
+        if let Err(e) = renamed {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+        drop(registered);
+        // The rename itself made durable (best effort: not every filesystem syncs folders).
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    }
+}
+
 /// An advisory lock on `<out>.lock`, held while a command writes `<out>` (released on drop and
 /// by the OS when the process dies). A second run on the same output is refused at once with
 /// the holder's pid.
@@ -308,6 +496,7 @@ impl Drop for OutputLock {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::FileTypeExt;
 
     #[test]
     fn resolve_folds_spellings_of_one_folder() {
@@ -402,6 +591,169 @@ mod tests {
         }
     }
 
+    fn files_in(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn an_output_file_never_replaces_an_input_nor_writes_through_an_existing_name() {
+        let root = tempfile::tempdir().unwrap();
+        let data = root.path().join("d.txt");
+        std::fs::write(&data, "input").unwrap();
+        let model = root.path().join("m");
+        std::fs::create_dir(&model).unwrap();
+        let inputs = [
+            InputPath::new("--model", &model),
+            InputPath::new("--data", &data),
+        ];
+        // The input itself, by any spelling, and a file inside an input folder.
+        for (out, needle) in [
+            (data.clone(), "is the input --data"),
+            (root.path().join("m/../d.txt"), "is the input --data"),
+            (model.join("plan.json"), "is inside the input --model"),
+        ] {
+            let e = OutputFile::check("--plan-out", &out, true, &inputs)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(needle), "{}: {e}", out.display());
+        }
+        let link = root.path().join("link.json");
+        std::os::unix::fs::symlink(&data, &link).unwrap();
+        let e = OutputFile::check("--plan-out", &link, true, &inputs)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("is the input --data d") || e.contains("--data"),
+            "{e}"
+        );
+        assert!(!e.contains("an input"), "{e}");
+        assert_eq!(std::fs::read_to_string(&data).unwrap(), "input");
+
+        // An input named like the temporary file of another output is never touched: the
+        // temporary name is fresh and created exclusively.
+        let tmp_named = root.path().join("t.json.tmp");
+        std::fs::write(&tmp_named, "input too").unwrap();
+        let inputs = [InputPath::new("--data", &tmp_named)];
+        let out =
+            OutputFile::check("--plan-out", &root.path().join("t.json"), false, &inputs).unwrap();
+        out.write(|p| Ok(std::fs::write(p, "plan")?)).unwrap();
+        assert_eq!(std::fs::read_to_string(&tmp_named).unwrap(), "input too");
+        assert_eq!(
+            std::fs::read_to_string(root.path().join("t.json")).unwrap(),
+            "plan"
+        );
+    }
+
+    #[test]
+    fn an_output_file_replaces_only_regular_files_and_only_with_force() {
+        let root = tempfile::tempdir().unwrap();
+        let old = root.path().join("plan.json");
+        std::fs::write(&old, "old").unwrap();
+        let e = OutputFile::check("--plan-out", &old, false, &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("already exists") && e.contains("--force"), "{e}");
+        let out = OutputFile::check("--plan-out", &old, true, &[]).unwrap();
+        out.write(|p| Ok(std::fs::write(p, "new")?)).unwrap();
+        assert_eq!(std::fs::read_to_string(&old).unwrap(), "new");
+
+        // A FIFO or a device is never replaced, even with --force.
+        let fifo = root.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        for p in [fifo.as_path(), Path::new("/dev/null")] {
+            let e = OutputFile::check("--plan-out", p, true, &[])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("not a regular file") && e.contains("never"),
+                "{e}"
+            );
+        }
+        assert!(std::fs::symlink_metadata(&fifo)
+            .unwrap()
+            .file_type()
+            .is_fifo());
+
+        // A symlink is followed: its target is what is checked and replaced.
+        let target = root.path().join("v2.json");
+        std::fs::write(&target, "v2").unwrap();
+        let link = root.path().join("current.json");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        OutputFile::check("--plan-out", &link, true, &[])
+            .unwrap()
+            .write(|p| Ok(std::fs::write(p, "v3")?))
+            .unwrap();
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "v3");
+        assert!(std::fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        let dangling = root.path().join("dangling.json");
+        std::os::unix::fs::symlink(root.path().join("nope"), &dangling).unwrap();
+        let e = OutputFile::check("--plan-out", &dangling, true, &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("does not exist"), "{e}");
+    }
+
+    #[test]
+    fn an_output_file_is_refused_up_front_for_folders_and_missing_folders() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("plans");
+        std::fs::create_dir(&dir).unwrap();
+        let e = OutputFile::check("--plan-out", &dir, true, &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("is a folder"), "{e}");
+        for spelled in [".", "..", "", "plans/"] {
+            let e = OutputFile::check("--plan-out", Path::new(spelled), true, &[])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("names a folder"), "{spelled:?}: {e}");
+        }
+        let missing = root.path().join("nope").join("plan.json");
+        let e = OutputFile::check("--plan-out", &missing, true, &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("does not exist")
+                && e.contains(&root.path().join("nope").display().to_string()),
+            "{e}"
+        );
+        // Nothing was created by any of these checks.
+        assert_eq!(files_in(root.path()), ["plans"]);
+    }
+
+    #[test]
+    fn a_failed_output_file_write_leaves_nothing_behind() {
+        let root = tempfile::tempdir().unwrap();
+        let target = root.path().join("plan.json");
+        std::fs::write(&target, "old").unwrap();
+        let out = OutputFile::check("--plan-out", &target, true, &[]).unwrap();
+        let e = out
+            .write(|p| {
+                std::fs::write(p, "half")?;
+                bail!("the disk filled up")
+            })
+            .unwrap_err();
+        assert!(format!("{e:#}").contains("the disk filled up"), "{e:#}");
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "old");
+        assert_eq!(files_in(root.path()), ["plan.json"]);
+        // A folder put where the file goes after the check: refused at the write, no leftovers.
+        let late = root.path().join("late.json");
+        let out = OutputFile::check("--plan-out", &late, true, &[]).unwrap();
+        std::fs::create_dir(&late).unwrap();
+        let e = out.write(|p| Ok(std::fs::write(p, "x")?)).unwrap_err();
+        assert!(e.to_string().contains("is a folder"), "{e}");
+        assert_eq!(files_in(root.path()), ["late.json", "plan.json"]);
+    }
+
     #[test]
     fn free_space_is_read_and_a_write_beyond_it_refused() {
         let root = tempfile::tempdir().unwrap();
@@ -430,41 +782,5 @@ mod tests {
         drop(first);
         assert!(!lock_path(&out).exists());
         OutputLock::acquire("--out", &out).unwrap();
-    }
-}
-
-/// A file a command writes at a path the user named (interim form; see docs/safety.md).
-#[derive(Debug, Clone)]
-pub struct OutputFile {
-    flag: String,
-    path: PathBuf,
-}
-
-impl OutputFile {
-    /// Checks `path` as the output file of `flag` against `inputs`; `force` allows replacing
-    /// an existing regular file.
-    pub fn check(flag: &str, path: &Path, force: bool, inputs: &[InputPath]) -> Result<Self> {
-        check_output(flag, path, &[], inputs)?;
-        if let Ok(m) = std::fs::metadata(path) {
-            if !m.is_file() {
-                bail!("{flag} {} is not a regular file", path.display());
-            }
-            if !force {
-                bail!(
-                    "{flag} {} already exists: pass --force to replace it",
-                    path.display()
-                );
-            }
-        }
-        Ok(Self {
-            flag: flag.to_string(),
-            path: path.to_path_buf(),
-        })
-    }
-
-    /// Writes the file through a temporary file beside it.
-    pub fn write(&self, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-        crate::checkpoint::writer::write_atomic(&self.path, write)
-            .with_context(|| format!("writing {} {}", self.flag, self.path.display()))
     }
 }

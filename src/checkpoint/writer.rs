@@ -309,8 +309,9 @@ fn header_bytes(group: &[&TensorSpec]) -> Vec<u8> {
 }
 
 /// Replaces `path` atomically: `write` fills `<path>.tmp`, which is synced and renamed over
-/// `path`, so a crash or a full disk leaves the old file or the new one, never a torn one. The
-/// one write-and-rename of the tool (journal, Hessian files).
+/// `path`, so a crash or a full disk leaves the old file or the new one, never a torn one. For
+/// files inside a folder the tool made itself (the journal in `<out>.partial`); a file at a path
+/// the user names goes through [`guard::OutputFile`] instead.
 pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
@@ -638,6 +639,22 @@ pub fn partial_path(out: &Path) -> PathBuf {
     let mut s = out.as_os_str().to_os_string();
     s.push(".partial");
     PathBuf::from(s)
+}
+
+/// The SHA-256 of every safetensors file of `ck`, by file name (the files hashed in parallel):
+/// what `quantize` records of its source (`quantize_report.json`, `hashes.source_sha256`) and
+/// what `sensitivity` compares with it.
+pub fn shard_sha256(ck: &super::Checkpoint) -> Result<BTreeMap<String, String>> {
+    let files: Vec<&Path> = ck.shards.iter().map(|s| s.path.as_path()).collect();
+    files
+        .par_iter()
+        .map(|p| {
+            Ok((
+                p.file_name().unwrap().to_string_lossy().into_owned(),
+                sha256_file(p)?,
+            ))
+        })
+        .collect()
 }
 
 pub fn sha256_file(path: &Path) -> Result<String> {

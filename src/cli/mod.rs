@@ -1,6 +1,7 @@
 //! The `soar-gptq` command line: argument parsing, dispatch, and the exit-code contract
 //! (0 success, 2 usage error, 1 any other failure with one clear message on stderr).
 
+use crate::checkpoint::guard::{self, InputPath, OutputFile};
 use crate::checkpoint::writer::DEFAULT_SHARD_BYTES;
 use crate::device::DeviceSpec;
 use crate::eval::{PplOptions, DEFAULT_EVAL_TEXT};
@@ -58,8 +59,8 @@ pub struct SensitivityArgs {
     /// Text file to score, or `default` for the evaluation text compiled into the binary.
     #[arg(long, default_value = "default")]
     pub data: String,
-    /// Window length in tokens.
-    #[arg(long, default_value_t = 512, value_parser = parse_positive)]
+    /// Window length in tokens (at least 2: a window scores its next-token predictions).
+    #[arg(long, default_value_t = 512, value_parser = parse_window)]
     pub seqlen: usize,
     /// Score at most this many windows.
     #[arg(long, default_value_t = 64, value_parser = parse_positive)]
@@ -93,6 +94,9 @@ pub struct SensitivityArgs {
     /// Write the plan (GPTQModel `dynamic` rules) to this JSON file for `quantize --plan`.
     #[arg(long)]
     pub plan_out: Option<PathBuf>,
+    /// Replace --plan-out if it exists (a regular file only: never a folder, device or input).
+    #[arg(long)]
+    pub force: bool,
     /// auto, cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
     pub device: DeviceSpec,
@@ -173,8 +177,8 @@ pub struct EvalPplArgs {
     /// Text file to score, or `default` for the evaluation text compiled into the binary.
     #[arg(long, default_value = "default")]
     pub data: String,
-    /// Window length in tokens.
-    #[arg(long, default_value_t = 2048, value_parser = parse_positive)]
+    /// Window length in tokens (at least 2: a window scores its next-token predictions).
+    #[arg(long, default_value_t = 2048, value_parser = parse_window)]
     pub seqlen: usize,
     /// Score at most this many windows.
     #[arg(long, value_parser = parse_positive)]
@@ -264,6 +268,10 @@ pub struct QuantizeArgs {
     /// --plan-out` (docs/usage.md, Mixed precision).
     #[arg(long)]
     pub plan: Option<PathBuf>,
+    /// Accept --plan rules that change nothing (that match no module, or only modules --skip or
+    /// earlier rules decide); without it such a plan is refused, naming them.
+    #[arg(long, requires = "plan")]
+    pub allow_unmatched_rules: bool,
     /// auto, cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
     pub device: DeviceSpec,
@@ -430,6 +438,18 @@ fn parse_positive(s: &str) -> std::result::Result<usize, String> {
     }
 }
 
+/// A window of tokens (calibration or evaluation): one token has no next-token prediction.
+fn parse_window(s: &str) -> std::result::Result<usize, String> {
+    match parse_positive(s)? {
+        1 => Err(
+            "1 token is not a window: use at least 2 tokens (a window predicts each token from \
+             the ones before it)"
+                .to_string(),
+        ),
+        n => Ok(n),
+    }
+}
+
 #[derive(clap::Args, Debug)]
 pub struct PackMarlinArgs {
     /// GPTQ checkpoint folder.
@@ -516,6 +536,15 @@ fn read_eval_text(data: &str) -> Result<String> {
     std::fs::read_to_string(data).with_context(|| format!("cannot read --data {data}"))
 }
 
+/// `--data` as messages name it.
+fn text_name(data: &str) -> String {
+    if data == "default" {
+        "the built-in evaluation text (--data default)".to_string()
+    } else {
+        format!("--data {data}")
+    }
+}
+
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Quantize(a) => {
@@ -563,6 +592,7 @@ fn run(cli: Cli) -> Result<()> {
                 seed: a.seed,
                 skip: a.skip.clone(),
                 plan: a.plan.clone(),
+                allow_unmatched_rules: a.allow_unmatched_rules,
                 dtype: compute_dtype(a.dtype, &device),
                 device,
                 true_sequential: !a.no_true_sequential,
@@ -702,8 +732,28 @@ fn run(cli: Cli) -> Result<()> {
                      --kl-target",
                 );
             }
+            // --plan-out is checked against every input before anything is read or
+            // downloaded, and again with the resolved model's files.
+            let mut inputs = vec![InputPath::new("--quantized", &a.quantized)];
+            if a.data != "default" {
+                inputs.push(InputPath::new("--data", &a.data));
+            }
+            inputs.push(InputPath::new(
+                "--model",
+                crate::source::cache_repo_dir(&a.model).unwrap_or_else(|| a.model.clone().into()),
+            ));
+            let check_plan_out = |inputs: &[InputPath]| {
+                a.plan_out
+                    .as_ref()
+                    .map(|p| OutputFile::check("--plan-out", p, a.force, inputs))
+                    .transpose()
+            };
+            check_plan_out(&inputs)?;
             let text = read_eval_text(&a.data)?;
             let src = crate::source::resolve(&a.model, a.revision.as_deref())?;
+            inputs.extend(guard::model_inputs("--model", &src.dir));
+            inputs.extend(guard::model_inputs("--quantized", &a.quantized));
+            let plan_out = check_plan_out(&inputs)?;
             let device = a.device.open()?;
             let opts = crate::sensitivity::SensitivityOptions {
                 eval: PplOptions {
@@ -714,6 +764,7 @@ fn run(cli: Cli) -> Result<()> {
                     batch: a.batch,
                     device,
                     sparse_attention: a.sparse_attention,
+                    text_name: text_name(&a.data),
                 },
                 granularity: match a.granularity {
                     GranularityArg::Block => crate::sensitivity::Granularity::Block,
@@ -729,16 +780,27 @@ fn run(cli: Cli) -> Result<()> {
                 kl_target: a.kl_target,
             };
             let r = crate::sensitivity::sensitivity(&src.dir, &a.quantized, &text, &opts)?;
-            if let Some(p) = &a.plan_out {
-                crate::sensitivity::write_plan(p, &r, &[src.dir.clone(), a.quantized.clone()])?;
+            // A plan without rules would change nothing: it is not written (quantize refuses
+            // one), and the run fails after the table, saying why.
+            let empty = r.plan.as_ref().is_some_and(|p| p.units.is_empty());
+            if let Some(out) = plan_out.as_ref().filter(|_| !empty) {
+                crate::sensitivity::write_plan(out, &r)?;
             }
             if a.json {
                 crate::outln!("{}", serde_json::to_string_pretty(&r)?);
             } else {
                 r.print_text();
-                if let Some(p) = &a.plan_out {
+                if let Some(p) = a.plan_out.as_ref().filter(|_| !empty) {
                     crate::outln!("wrote {}", p.display());
                 }
+            }
+            if let Some(p) = a.plan_out.as_ref().filter(|_| empty) {
+                bail!(
+                    "the plan chose no unit: {}; nothing was written to --plan-out {} (a plan \
+                     without rules would change nothing)",
+                    crate::sensitivity::empty_plan_reason(&r, &opts),
+                    p.display()
+                );
             }
         }
         Command::EvalPpl(a) => {
@@ -752,6 +814,7 @@ fn run(cli: Cli) -> Result<()> {
                 batch: a.batch,
                 device,
                 sparse_attention: a.sparse_attention,
+                text_name: text_name(&a.data),
             };
             let text = read_eval_text(&a.data)?;
             let plot = a

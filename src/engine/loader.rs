@@ -262,13 +262,36 @@ pub fn emulate(
         .filter_map(|(n, _)| n.rsplit_once('.').map(|(p, _)| p))
         .collect();
 
+    // A config that says "marlin" over GPTQ tensors (qweight, no B) is mislabelled: the messages
+    // below say what the folder holds rather than what the label promises.
+    let relabelled_gptq = quant.is_some_and(|q| q.format == QuantFormat::Marlin)
+        && view.tensors.keys().any(|n| n.ends_with(".qweight"))
+        && !view.tensors.keys().any(|n| n.ends_with(".B"));
+    const RELABELLED_FIX: &str = "the tensors are GPTQ (qweight, qzeros, scales), not Marlin \
+        tiles: set checkpoint_format to \"gptq\" in config.json's quantization_config (and in \
+        quantize_config.json), or serve the folder this one was copied from";
     // The checkpoint-wide method.
     let global = match quant {
         None => Method::Unquantized,
         Some(q) => match engine {
             Engine::Sglang => {
                 if q.format == QuantFormat::Marlin {
-                    if legacy_marlin {
+                    if relabelled_gptq {
+                        problems.push(Finding::new(
+                            "checkpoint_format is \"marlin\", but the folder holds GPTQ tensors \
+                             (qweight, qzeros, scales) and no Marlin tiles (B, s): the label is \
+                             wrong. No current SGLang release reads checkpoint_format \"marlin\" \
+                             (gptq_marlin refuses it), so SGLang does not select gptq_marlin and \
+                             falls back to the plain gptq method; readers that trust the label \
+                             (a legacy marlin release, GPTQModel) look for B/s and find qweight",
+                            RELABELLED_FIX,
+                        ));
+                        if legacy_marlin {
+                            Method::MarlinLegacy
+                        } else {
+                            Method::Gptq
+                        }
+                    } else if legacy_marlin {
                         Method::MarlinLegacy
                     } else {
                         problems.push(Finding::new(
@@ -297,7 +320,15 @@ pub fn emulate(
                 }
             }
             Engine::Vllm => {
-                if q.format == QuantFormat::Marlin {
+                if relabelled_gptq {
+                    problems.push(Finding::new(
+                        "checkpoint_format is \"marlin\", but the folder holds GPTQ tensors \
+                         (qweight, qzeros, scales) and no Marlin tiles (B, s): the label is \
+                         wrong. vLLM ignores checkpoint_format and reads the qweight/scales, but \
+                         readers that trust the label (GPTQModel, this tool) look for B/s",
+                        RELABELLED_FIX,
+                    ));
+                } else if q.format == QuantFormat::Marlin {
                     problems.push(Finding::new(
                         "checkpoint_format is \"marlin\": vLLM removed the legacy marlin method \
                          in PR #23204 (0.10.1.1 was the last release with it) and ignores \

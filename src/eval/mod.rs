@@ -38,6 +38,8 @@ pub struct PplOptions {
     pub batch: usize,
     /// When MiniCPM-SALA's sparse layers run InfLLM-v2 (`--sparse-attention`).
     pub sparse_attention: SparseAttention,
+    /// What the text is, for messages: `--data FILE`, or the built-in text.
+    pub text_name: String,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -164,9 +166,15 @@ pub fn make_windows(
         n = n.min(m);
     }
     if n == 0 {
+        let what = &opts.text_name;
+        if text.trim().is_empty() {
+            bail!("{what} is empty: give a text to score");
+        }
         bail!(
-            "the evaluation text has {} tokens, fewer than one window of --seqlen {}: give more text or a smaller --seqlen",
+            "{what} has {} token{}, fewer than one window of --seqlen {}: give more text or a \
+             smaller --seqlen",
             ids.len(),
+            if ids.len() == 1 { "" } else { "s" },
             opts.seqlen
         );
     }

@@ -249,8 +249,9 @@ impl HessianAccumulator {
     }
 
     /// Writes the raw sum as safetensors (`xtx` f32 `[K, K]`; metadata `tokens` and `modules` as a
-    /// JSON array). Written to a side file and renamed, so an interrupted run leaves no torn file.
-    pub fn save(&self, path: &Path) -> Result<()> {
+    /// JSON array), through the output guard: written to a fresh temporary file beside it and
+    /// renamed, so an interrupted run leaves no torn file.
+    pub fn save(&self, out: &crate::checkpoint::guard::OutputFile) -> Result<()> {
         let k = self.k();
         let values = self.full_xtx()?.flatten_all()?.to_vec1::<f32>()?;
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -264,14 +265,14 @@ impl HessianAccumulator {
                 serde_json::to_string(&self.modules)?,
             ),
         ]);
-        crate::checkpoint::writer::write_atomic(path, |tmp| {
+        out.write(|tmp| {
             Ok(safetensors::serialize_to_file(
                 [(XTX_NAME, view)],
                 Some(metadata),
                 tmp,
             )?)
         })
-        .with_context(|| format!("writing Hessian file {}", path.display()))
+        .with_context(|| format!("writing Hessian file {}", out.path().display()))
     }
 
     /// Reads a file written by [`save`](Self::save) onto `device`, validating it.
@@ -479,7 +480,9 @@ mod tests {
         .unwrap();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("h.safetensors");
-        acc.save(&path).unwrap();
+        let out = crate::checkpoint::guard::OutputFile::check("--save-hessians", &path, true, &[])
+            .unwrap();
+        acc.save(&out).unwrap();
         let back = HessianAccumulator::load(&path, &dev).unwrap();
         assert_eq!(back.tokens(), 20);
         assert_eq!(back.k(), k);

@@ -9,7 +9,6 @@ use super::Settings;
 use crate::checkpoint::writer::{self, sha256_file, TensorSpec};
 use crate::checkpoint::{Checkpoint, Dtype};
 use anyhow::{bail, Context, Result};
-use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
@@ -60,7 +59,7 @@ impl SourceChecks {
         let handle = std::thread::spawn(move || {
             let t = std::time::Instant::now();
             let ck = Checkpoint::open(&dir)?;
-            let (finite, sums) = rayon::join(|| ck.check_finite(), || source_sha256(&ck));
+            let (finite, sums) = rayon::join(|| ck.check_finite(), || writer::shard_sha256(&ck));
             finite?;
             let sums = sums?;
             crate::source::verify_shards(&dir, &sums)?;
@@ -103,20 +102,6 @@ impl SourceChecks {
     }
 }
 
-/// The SHA-256 of every safetensors file of `ck`, by file name (the files hashed in parallel).
-pub fn source_sha256(ck: &Checkpoint) -> Result<BTreeMap<String, String>> {
-    let files: Vec<&Path> = ck.shards.iter().map(|s| s.path.as_path()).collect();
-    files
-        .par_iter()
-        .map(|p| {
-            Ok((
-                p.file_name().unwrap().to_string_lossy().into_owned(),
-                sha256_file(p)?,
-            ))
-        })
-        .collect()
-}
-
 impl Hashes {
     /// The hashes of a run: the source shards' (from [`source_sha256`]), its config's, the
     /// settings' and the calibration's.
@@ -150,16 +135,21 @@ pub struct JournalLayer {
 pub struct Journal {
     pub version: u32,
     pub hashes: Hashes,
+    /// The settings `hashes.settings_sha256` was taken of, so that a refused `--resume` can name
+    /// the setting that changed (absent from journals of earlier versions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub settings: Option<serde_json::Value>,
     pub layers: Vec<JournalLayer>,
 }
 
 impl Journal {
-    pub fn new(hashes: Hashes) -> Self {
-        Self {
+    pub fn new(hashes: Hashes, settings: &Settings) -> Result<Self> {
+        Ok(Self {
             version: JOURNAL_VERSION,
             hashes,
+            settings: Some(serde_json::to_value(settings)?),
             layers: vec![],
-        }
+        })
     }
 
     pub fn load(dir: &Path) -> Result<Self> {
@@ -216,8 +206,9 @@ impl Journal {
         Ok(())
     }
 
-    /// Refuses to resume when anything that determines the output has changed.
-    pub fn check_matches(&self, now: &Hashes) -> Result<()> {
+    /// Refuses to resume when anything that determines the output has changed, naming it (for
+    /// the settings, each one that differs, where the journal holds them).
+    pub fn check_matches(&self, now: &Hashes, settings: &Settings) -> Result<()> {
         let h = &self.hashes;
         let what = if h.tool_version != now.tool_version {
             format!(
@@ -229,8 +220,20 @@ impl Journal {
         } else if h.source_sha256 != now.source_sha256 {
             "the source weights changed".to_string()
         } else if h.settings_sha256 != now.settings_sha256 {
-            "the quantization settings differ from the interrupted run (use the same flags)"
-                .to_string()
+            let diffs = match &self.settings {
+                Some(then) => settings_diff(then, &serde_json::to_value(settings)?),
+                None => vec![],
+            };
+            if diffs.is_empty() {
+                "the quantization settings differ from the interrupted run (use the same flags)"
+                    .to_string()
+            } else {
+                format!(
+                    "the quantization settings differ from the interrupted run: {} (use the \
+                     same flags)",
+                    diffs.join("; ")
+                )
+            }
         } else if h.calibration_sha256 != now.calibration_sha256 {
             "the calibration data changed".to_string()
         } else {
@@ -238,6 +241,94 @@ impl Journal {
         };
         bail!("cannot resume: {what}; start again without --resume (add --force if --out exists)")
     }
+}
+
+/// How a setting (a key of [`Settings`]) is named in messages: by its flag.
+fn setting_name(key: &str) -> &str {
+    match key {
+        "method" => "--method",
+        "gptaq_alpha" => "--gptaq-alpha",
+        "bits" => "--bits",
+        "group_size" => "--group-size",
+        "act_order" => "--act-order",
+        "sym" => "symmetric (--asym)",
+        "damp" => "--damp",
+        "mse" => "the MSE search (--no-mse)",
+        "refit" => "--refit",
+        "true_sequential" => "true-sequential (--no-true-sequential)",
+        "nsamples" => "--nsamples",
+        "seqlen" => "--seqlen",
+        "seed" => "--seed",
+        "skip" => "--skip",
+        "plan" => "--plan",
+        "calib" => "--calib",
+        "dtype" => "--dtype",
+        "device_kind" => "the device (--device)",
+        "batch" => "--batch",
+        "load_hessians" => "--load-hessians",
+        other => other,
+    }
+}
+
+/// Every setting that differs between `then` (the journal's) and `now`, with both values; for
+/// `--plan`, the first modules whose bits, group size or 16 bits differ.
+fn settings_diff(then: &serde_json::Value, now: &serde_json::Value) -> Vec<String> {
+    let (Some(a), Some(b)) = (then.as_object(), now.as_object()) else {
+        return vec![];
+    };
+    let show = |key: &str, v: Option<&serde_json::Value>| -> String {
+        match (key, v) {
+            ("refit", None) => "false".into(),
+            ("plan", None) => "no plan".into(),
+            (_, None) => "not set".into(),
+            (_, Some(serde_json::Value::String(s))) => s.clone(),
+            (_, Some(v)) => v.to_string(),
+        }
+    };
+    let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+    keys.into_iter()
+        .filter(|k| a.get(*k) != b.get(*k))
+        .map(|k| {
+            let name = setting_name(k);
+            if k == "plan" {
+                let entries = |v: Option<&serde_json::Value>| -> BTreeMap<String, String> {
+                    v.and_then(|v| v.as_array())
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|e| e.as_str()?.split_once('='))
+                        .map(|(m, s)| (m.to_string(), s.to_string()))
+                        .collect()
+                };
+                let (x, y) = (entries(a.get(k)), entries(b.get(k)));
+                let modules: std::collections::BTreeSet<&String> =
+                    x.keys().chain(y.keys()).collect();
+                let changed: Vec<String> = modules
+                    .into_iter()
+                    .filter(|m| x.get(*m) != y.get(*m))
+                    .map(|m| {
+                        let s = |v: Option<&String>| v.map_or("default".to_string(), |s| s.clone());
+                        format!("{m} {} then, {} now", s(x.get(m)), s(y.get(m)))
+                    })
+                    .collect();
+                let more = changed.len().saturating_sub(3);
+                format!(
+                    "{name} ({}{})",
+                    changed[..changed.len().min(3)].join(", "),
+                    if more > 0 {
+                        format!(", and {more} more module(s)")
+                    } else {
+                        String::new()
+                    }
+                )
+            } else {
+                format!(
+                    "{name} ({} then, {} now)",
+                    show(k, a.get(k)),
+                    show(k, b.get(k))
+                )
+            }
+        })
+        .collect()
 }
 
 pub fn write_layer_file(
@@ -310,4 +401,35 @@ pub fn read_packed(ck: &Checkpoint, prefix: &str) -> Result<Packed> {
         scales_f16: ck.bytes(&format!("{prefix}.scales"))?.to_vec(),
         g_idx: ck.i32_data(&format!("{prefix}.g_idx"))?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_refused_resume_names_each_setting_that_differs() {
+        let then = json!({"method": "gptaq", "gptaq_alpha": 1.0, "bits": 4, "seed": 0,
+            "plan": ["model.layers.0.mlp.down_proj=8/128", "model.layers.1.mlp.up_proj=keep"]});
+        let now = json!({"method": "gptaq", "gptaq_alpha": 0.5, "bits": 4, "seed": 0,
+            "plan": ["model.layers.0.mlp.down_proj=4/64", "model.layers.1.mlp.up_proj=keep"]});
+        let d = settings_diff(&then, &now);
+        assert_eq!(
+            d,
+            [
+                "--gptaq-alpha (1.0 then, 0.5 now)",
+                "--plan (model.layers.0.mlp.down_proj 8/128 then, 4/64 now)"
+            ]
+        );
+        let mut no_plan = now.clone();
+        no_plan.as_object_mut().unwrap().remove("plan");
+        no_plan["refit"] = json!(true);
+        let d = settings_diff(&now, &no_plan).join("; ");
+        assert!(
+            d.contains("--plan (model.layers.0.mlp.down_proj 4/64 then, default now")
+                && d.contains("--refit (false then, true now)"),
+            "{d}"
+        );
+    }
 }

@@ -73,6 +73,8 @@ pub struct QuantizeOptions {
     pub skip: Vec<String>,
     /// Per-module bits and group sizes (`--plan`: a JSON file with GPTQModel `dynamic` rules).
     pub plan: Option<PathBuf>,
+    /// Accept `--plan` rules that decide no module (else they are refused).
+    pub allow_unmatched_rules: bool,
     pub device: Device,
     pub dtype: DType,
     pub true_sequential: bool,
@@ -178,14 +180,31 @@ fn side_inputs(opts: &QuantizeOptions) -> Vec<InputPath> {
     v
 }
 
+/// What `--save-hessians` and its files may not be: the inputs, `--out` and its partial folder.
+fn hessian_guard(opts: &QuantizeOptions, inputs: &[InputPath]) -> Vec<InputPath> {
+    let mut all = inputs.to_vec();
+    all.push(InputPath::new("--out", &opts.out));
+    all.push(InputPath::new("--out", writer::partial_path(&opts.out)));
+    all
+}
+
 /// `--save-hessians` is an output too: it may not alias an input or `--out`, and an existing
 /// folder that holds files is written into only with `--force` (or `--resume`, which continues
 /// the run that filled it).
 fn check_hessian_dir(dir: &Path, opts: &QuantizeOptions, inputs: &[InputPath]) -> Result<()> {
-    let mut all = inputs.to_vec();
-    all.push(InputPath::new("--out", &opts.out));
-    all.push(InputPath::new("--out", writer::partial_path(&opts.out)));
-    guard::check_output("--save-hessians", dir, &[], &all)?;
+    guard::check_output("--save-hessians", dir, &[], &hessian_guard(opts, inputs))?;
+    if let Some(m) = std::fs::metadata(dir).ok().filter(|m| !m.is_dir()) {
+        bail!(
+            "--save-hessians {} is {}, not a folder: give a folder for the Hessian files (it is \
+             created if missing)",
+            dir.display(),
+            if m.is_file() {
+                "a file"
+            } else {
+                "a device, FIFO or socket"
+            }
+        );
+    }
     if dir.exists() && !opts.force && !opts.resume {
         let used = std::fs::read_dir(dir)
             .with_context(|| format!("cannot list --save-hessians {}", dir.display()))?
@@ -272,7 +291,24 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         bits: opts.bits,
         group_size: opts.group_size,
     };
-    let plan = plan::Plan::build(&cfg, &opts.skip, &rules, default_scheme)?;
+    let unmatched = if opts.allow_unmatched_rules {
+        plan::Unmatched::Allow
+    } else {
+        plan::Unmatched::Refuse
+    };
+    let plan = plan::Plan::build(&cfg, &opts.skip, &rules, default_scheme, unmatched)?;
+    if plan.unused_rules > 0 {
+        eprintln!(
+            "note: {} --plan rule(s) change nothing (accepted with --allow-unmatched-rules): {}{}",
+            plan.unused_rules,
+            plan.unused_reasons.join("; "),
+            if plan.unused_rules > plan.unused_reasons.len() {
+                "; ..."
+            } else {
+                ""
+            }
+        );
+    }
     let layout = opts.layout();
     let settings = Settings {
         method: opts.method,
@@ -436,12 +472,12 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     let mut journal = if opts.resume && journal_exists {
         let j = Journal::load(&jdir)?;
         j.check_layers(&jdir, cfg.num_hidden_layers())?;
-        j.check_matches(&hashes)?;
+        j.check_matches(&hashes, &settings)?;
         j
     } else {
         std::fs::create_dir_all(&jdir)
             .with_context(|| format!("cannot create {}", jdir.display()))?;
-        Journal::new(hashes.clone())
+        Journal::new(hashes.clone(), &settings)?
     };
     if let Some(dir) = &opts.save_hessians {
         check_hessian_dir(dir, opts, &inputs)?;
@@ -477,6 +513,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
             feed: &feed,
             residency: memory.residency,
             spill: out.path().join("spill"),
+            inputs: &hessian_guard(opts, &inputs),
         }
         .run(&mut journal, &mut stages, &mut source_checks);
         drop(feed);
@@ -572,6 +609,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
                 device: opts.device.clone(),
                 batch: opts.batch,
                 sparse_attention: opts.sparse_attention,
+                text_name: "the built-in evaluation text".to_string(),
             };
             let mut c = crate::eval::compare(
                 &src.dir,

@@ -61,16 +61,79 @@ pub struct Plan {
     pub default: Scheme,
     /// Whether `--plan` rules took part (else only `--skip` did).
     pub from_rules: bool,
+    /// How many `--plan` rules decide no module (accepted with `--allow-unmatched-rules`), and
+    /// why, for the first few.
+    pub unused_rules: usize,
+    pub unused_reasons: Vec<String>,
 }
 
-/// The plan a rule list gives a module: the first matching rule (file order), a skip or the
-/// default with its overrides.
-fn by_rules(rules: &[DynamicRule], name: &str, default: Scheme) -> Result<(ModulePlan, String)> {
-    let Some(r) = rules.iter().find(|r| r.matches(name)) else {
-        return Ok((ModulePlan::Quantize(default), "no rule".into()));
+/// How many rules that change nothing a message names.
+const UNUSED_LISTED: usize = 5;
+
+/// Why rule `r` decides no module: it matches none (with the names rules are matched against),
+/// or only modules `--skip` keeps, or only modules an earlier rule decides.
+fn unused_reason(
+    cfg: &AnyConfig,
+    skips: &[regex::Regex],
+    rules: &[DynamicRule],
+    r: usize,
+) -> String {
+    let key = &rules[r].key;
+    let mut skipped = None;
+    for i in 0..cfg.num_hidden_layers() {
+        for l in cfg.layer_linears(i) {
+            let full = format!("model.layers.{i}.{}", l.name);
+            let eng = engine_name(&full);
+            for name in [&full, &eng] {
+                if !rules[r].matches(name) {
+                    continue;
+                }
+                if skips.iter().any(|s| s.is_match(&full)) {
+                    skipped.get_or_insert(full.clone());
+                    continue;
+                }
+                if let Some(first) = rules[..r].iter().find(|e| e.matches(name)) {
+                    return format!(
+                        "rule {key:?} comes too late: an earlier rule decides every module it \
+                         matches (the first rule that matches a module decides; {:?} decides \
+                         {name})",
+                        first.key
+                    );
+                }
+            }
+        }
+    }
+    if let Some(full) = skipped {
+        return format!(
+            "rule {key:?} matches only modules that --skip keeps in 16 bits (such as {full}; \
+             --skip wins over the plan)"
+        );
+    }
+    let last = cfg.num_hidden_layers().saturating_sub(1);
+    let first = cfg.layer_linears(0).first().map(|l| l.name.to_string());
+    let final_ = cfg.layer_linears(last).last().map(|l| l.name.to_string());
+    format!(
+        "rule {key:?} matches no module of this model (rules are matched from the start of the \
+         names of the decoder layers' Linears, model.layers.0.{} … model.layers.{last}.{}, and \
+         of the fused qkv_proj and gate_up_proj; lm_head and the embeddings are never quantized)",
+        first.unwrap_or_default(),
+        final_.unwrap_or_default()
+    )
+}
+
+/// The plan a rule list gives a module: the first matching rule (file order) and its index, or
+/// the default.
+fn by_rules(
+    rules: &[DynamicRule],
+    name: &str,
+    default: Scheme,
+) -> Result<(ModulePlan, Option<usize>)> {
+    let Some(i) = rules.iter().position(|r| r.matches(name)) else {
+        return Ok((ModulePlan::Quantize(default), None));
     };
+    let r = &rules[i];
     if r.skip {
-        return Ok((ModulePlan::Keep, format!("rule {:?}", r.key)));
+        return Ok((ModulePlan::Keep, Some(i)));
     }
     let o = r.overrides;
     if o.sym.is_some() || o.desc_act.is_some() {
@@ -92,19 +155,40 @@ fn by_rules(rules: &[DynamicRule], name: &str, default: Scheme) -> Result<(Modul
             bits,
             group_size: o.group_size.unwrap_or(default.group_size),
         }),
-        format!("rule {:?}", r.key),
+        Some(i),
     ))
+}
+
+/// How a decision is named in messages.
+fn why(rules: &[DynamicRule], i: Option<usize>) -> String {
+    match i {
+        Some(i) => format!("rule {:?}", rules[i].key),
+        None => "no rule".into(),
+    }
+}
+
+/// What to do with `--plan` rules that decide no module.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unmatched {
+    /// Refuse the plan, naming them (the default).
+    Refuse,
+    /// Accept them (`--allow-unmatched-rules`); [`Plan::unused_rules`] lists them.
+    Allow,
 }
 
 impl Plan {
     /// The plan for `cfg`: `skip` patterns (searched anywhere in the full name) keep modules in
     /// 16 bits and win over `rules` (a `--plan` file's, in file order), which override the
-    /// default scheme. Checks every quantized Linear's shape against its scheme.
+    /// default scheme. Checks every quantized Linear's shape against its scheme, and that every
+    /// rule decides some module (is the first rule to match it, by its own or its engine name):
+    /// a rule that matches nothing, or only modules that `--skip` or earlier rules decide,
+    /// changes nothing and is refused unless `unmatched` allows it.
     pub fn build(
         cfg: &AnyConfig,
         skip: &[String],
         rules: &[DynamicRule],
         default: Scheme,
+        unmatched: Unmatched,
     ) -> Result<Self> {
         let skips = skip
             .iter()
@@ -113,6 +197,7 @@ impl Plan {
                     .map_err(|e| anyhow!("--skip {s:?} is not a valid regular expression: {e}"))
             })
             .collect::<Result<Vec<_>>>()?;
+        let mut decides = vec![false; rules.len()];
         let mut layers = vec![];
         for i in 0..cfg.num_hidden_layers() {
             let mut mods: Vec<PlannedLinear> = vec![];
@@ -122,17 +207,22 @@ impl Plan {
                     ModulePlan::Keep
                 } else {
                     let eng = engine_name(&full);
-                    let (own, why_own) = by_rules(rules, &full, default)?;
-                    let (engine, why_eng) = by_rules(rules, &eng, default)?;
+                    let (own, by_own) = by_rules(rules, &full, default)?;
+                    let (engine, by_eng) = by_rules(rules, &eng, default)?;
                     if own != engine {
                         bail!(
-                            "--plan: {full} gets {} by its own name ({why_own}) but {} by the \
-                             name SGLang and vLLM match rules against, {eng} ({why_eng}); write \
+                            "--plan: {full} gets {} by its own name ({}) but {} by the \
+                             name SGLang and vLLM match rules against, {eng} ({}); write \
                              the rule so that it matches both, e.g. \"+:{}\"",
                             describe(own),
+                            why(rules, by_own),
                             describe(engine),
+                            why(rules, by_eng),
                             exact_pattern(&eng, &[&full])
                         );
+                    }
+                    for r in [by_own, by_eng].into_iter().flatten() {
+                        decides[r] = true;
                     }
                     own
                 };
@@ -172,10 +262,32 @@ impl Plan {
             }
             layers.push(mods);
         }
+        let unused: Vec<usize> = (0..rules.len()).filter(|&r| !decides[r]).collect();
+        let unused_rules: Vec<String> = unused
+            .iter()
+            .take(UNUSED_LISTED)
+            .map(|&r| unused_reason(cfg, &skips, rules, r))
+            .collect();
+        if !unused.is_empty() && unmatched == Unmatched::Refuse {
+            let more = unused.len().saturating_sub(UNUSED_LISTED);
+            bail!(
+                "--plan: {} rule(s) would change nothing: {}{}; fix or drop them, or pass \
+                 --allow-unmatched-rules to accept rules that change nothing",
+                unused.len(),
+                unused_rules.join("; "),
+                if more > 0 {
+                    format!("; and {more} more")
+                } else {
+                    String::new()
+                }
+            );
+        }
         Ok(Self {
             layers,
             default,
             from_rules: !rules.is_empty(),
+            unused_rules: unused.len(),
+            unused_reasons: unused_rules,
         })
     }
 
@@ -348,4 +460,99 @@ fn check_shape(full: &str, n: usize, k: usize, s: Scheme, default: bool) -> Resu
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::quantized::read_plan_rules;
+    use serde_json::json;
+
+    fn tiny() -> AnyConfig {
+        crate::model::config::preset("tiny").unwrap().into()
+    }
+
+    fn rules(v: Value) -> Vec<DynamicRule> {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("plan.json");
+        std::fs::write(&p, v.to_string()).unwrap();
+        read_plan_rules(&p).unwrap()
+    }
+
+    const DEFAULT: Scheme = Scheme {
+        bits: 4,
+        group_size: GroupSize::G128,
+    };
+
+    fn build(skip: &[&str], v: Value, unmatched: Unmatched) -> Result<Plan> {
+        let skip: Vec<String> = skip.iter().map(|s| s.to_string()).collect();
+        Plan::build(&tiny(), &skip, &rules(v), DEFAULT, unmatched)
+    }
+
+    #[test]
+    fn rules_that_match_no_module_are_refused_unless_allowed() {
+        for (rule, needle) in [
+            ("+:lm_head", "matches no module"),
+            ("+:model\\.embed_tokens", "matches no module"),
+            ("+:model\\.layers\\.31\\.mlp\\..*", "matches no module"),
+        ] {
+            let v = json!({"dynamic": {rule: {"bits": 8}}});
+            let e = build(&[], v.clone(), Unmatched::Refuse)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(needle)
+                    && e.contains(&format!("{rule:?}"))
+                    && e.contains("--allow-unmatched-rules"),
+                "{rule}: {e}"
+            );
+            assert!(e.contains("model.layers.3.mlp.down_proj"), "{e}");
+            let p = build(&[], v, Unmatched::Allow).unwrap();
+            assert_eq!(p.unused_rules, 1);
+            assert!(!p.is_mixed() && p.overrides().is_empty());
+        }
+    }
+
+    #[test]
+    fn rules_decided_by_earlier_rules_or_skip_are_refused() {
+        let v = json!({"dynamic": {
+            "+:model\\.layers\\.0\\.mlp\\..*": {"bits": 8},
+            "+:model\\.layers\\.0\\.mlp\\.down_proj": {"group_size": 64}
+        }});
+        let e = build(&[], v, Unmatched::Refuse).unwrap_err().to_string();
+        assert!(
+            e.contains("comes too late") && e.contains("down_proj"),
+            "{e}"
+        );
+        let v = json!({"dynamic": {"+:model\\.layers\\.0\\.mlp\\.down_proj": {"bits": 8}}});
+        let e = build(&["layers\\.0\\.mlp\\.down"], v.clone(), Unmatched::Refuse)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--skip keeps"), "{e}");
+        // Every rule that decides a module is fine; a rule decided through the fused name too.
+        build(&[], v, Unmatched::Refuse).unwrap();
+        let v = json!({"dynamic": {
+            "+:model\\.layers\\.1\\.self_attn\\.(?:q_proj|k_proj|v_proj|qkv_proj)$": {"bits": 8},
+            "-:model\\.layers\\.2\\..*": {}
+        }});
+        let p = build(&[], v, Unmatched::Refuse).unwrap();
+        assert_eq!(p.unused_rules, 0);
+        assert_eq!(p.get(2, "mlp.up_proj"), ModulePlan::Keep);
+    }
+
+    #[test]
+    fn many_rules_are_matched_in_linear_time() {
+        let mut dynamic = Map::new();
+        for i in 0..crate::format::quantized::MAX_PLAN_RULES {
+            dynamic.insert(format!("+:model\\.nothing\\.{i}$"), json!({"bits": 8}));
+        }
+        let t = std::time::Instant::now();
+        let p = build(&[], json!({"dynamic": dynamic}), Unmatched::Allow).unwrap();
+        assert_eq!(p.unused_rules, crate::format::quantized::MAX_PLAN_RULES);
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(20),
+            "{:?}",
+            t.elapsed()
+        );
+    }
 }

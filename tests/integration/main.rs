@@ -20,6 +20,7 @@ mod llama_family;
 mod long_context;
 mod mixed;
 mod model;
+mod plans;
 mod quality_gate;
 mod quantize;
 mod safety;

@@ -292,6 +292,70 @@ fn pack_marlin_and_synth_refuse_outputs_that_alias_their_inputs() {
 }
 
 #[test]
+fn hessian_files_never_write_through_a_name_already_in_their_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let m = synth_tiny(root, "m", 6);
+    let calib = write_text(root, "calib.txt", &sample_text());
+    let text = std::fs::read_to_string(&calib).unwrap();
+    // A --save-hessians folder (written into with --force) that holds, under the names a
+    // temporary Hessian file once had, a link to an input and a FIFO.
+    let h = root.join("h");
+    std::fs::create_dir(&h).unwrap();
+    std::os::unix::fs::symlink(&calib, h.join("layer-00000.qkv.safetensors.tmp")).unwrap();
+    let fifo =
+        std::ffi::CString::new(h.join("layer-00000.o.safetensors.tmp").to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+    let out = root.join("q");
+    let o = quantize_in(
+        root,
+        m.to_str().unwrap(),
+        out.to_str().unwrap(),
+        &[
+            "--method",
+            "gptq",
+            "--calib",
+            calib.to_str().unwrap(),
+            "--save-hessians",
+            h.to_str().unwrap(),
+            "--force",
+        ],
+    );
+    assert_ok(&o);
+    assert_eq!(
+        std::fs::read_to_string(&calib).unwrap(),
+        text,
+        "input overwritten"
+    );
+    assert!(h.join("layer-00000.qkv.safetensors").is_file());
+    // No temporary file of this run is left.
+    let left: Vec<String> = std::fs::read_dir(&h)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+
+    // A file where the folder should be is refused before any work, naming it.
+    let file = write_text(root, "h-file", "notes");
+    let o = quantize_in(
+        root,
+        m.to_str().unwrap(),
+        root.join("q2").to_str().unwrap(),
+        &[
+            "--method",
+            "gptq",
+            "--save-hessians",
+            file.to_str().unwrap(),
+            "--force",
+        ],
+    );
+    assert_fails(&o, 1, "is a file, not a folder");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "notes");
+    assert!(!root.join("q2").exists());
+}
+
+#[test]
 fn skips_that_cover_whole_layers_write_resume_and_load() {
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path();

@@ -26,7 +26,7 @@ pub use decode::{dequantize_gptq_tensor, dequantize_module, read_module_codes, M
 pub(crate) use settings::read_json;
 pub use settings::{
     dynamic_key_order, engine_name, exact_pattern, natural_cmp, read_plan_rules, read_quant_info,
-    skip_rules, DynamicRule, GptqConfig, ModuleQuant, QuantInfo, QuantOverride,
+    skip_rules, DynamicRule, GptqConfig, ModuleQuant, QuantInfo, QuantOverride, MAX_PLAN_RULES,
 };
 pub(crate) use validate::at;
 pub use validate::{

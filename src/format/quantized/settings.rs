@@ -195,8 +195,13 @@ impl QuantInfo {
     /// [`dynamic_key_order`]): parsed JSON objects do not keep it, and the first matching rule
     /// wins.
     pub fn order_rules(&mut self, order: &[String]) {
+        let position: std::collections::HashMap<&str, usize> = order
+            .iter()
+            .enumerate()
+            .map(|(i, k)| (k.as_str(), i))
+            .collect();
         self.dynamic
-            .sort_by_key(|r| order.iter().position(|k| k == &r.key).unwrap_or(usize::MAX));
+            .sort_by_key(|r| position.get(r.key.as_str()).copied().unwrap_or(usize::MAX));
     }
 
     /// The `quant_method` as written (`method` for GPTQModel ≥ 7), if any.
@@ -302,21 +307,32 @@ fn parse_group(v: &Value) -> Option<GroupSize> {
     v.as_i64().and_then(GroupSize::from_i64)
 }
 
-fn parse_rule(key: &str, v: &Value, source: &Path) -> Result<DynamicRule> {
-    let src = source.display();
-    let (skip, pattern) = if let Some(p) = key.strip_prefix("-:") {
+/// `-:REGEX` (skip), `+:REGEX` or `REGEX`: whether the rule skips, and its pattern.
+fn split_rule_key(key: &str) -> (bool, &str) {
+    if let Some(p) = key.strip_prefix("-:") {
         (true, p)
     } else if let Some(p) = key.strip_prefix("+:") {
         (false, p)
     } else {
         (false, key)
-    };
-    let regex = Regex::new(&format!("^(?:{pattern})")).with_context(|| {
+    }
+}
+
+/// A rule's pattern anchored at the start, as the engines' `re.match`.
+fn rule_regex(key: &str, pattern: &str, source: &Path) -> Result<Regex> {
+    Regex::new(&format!("^(?:{pattern})")).with_context(|| {
         format!(
-            "{src}: dynamic rule {key:?} is not a regular expression this tool understands \
-             (Rust regex syntax: no look-around or back-references)"
+            "{}: dynamic rule {key:?} is not a regular expression this tool understands \
+             (Rust regex syntax: no look-around or back-references)",
+            source.display()
         )
-    })?;
+    })
+}
+
+fn parse_rule(key: &str, v: &Value, source: &Path) -> Result<DynamicRule> {
+    let src = source.display();
+    let (skip, pattern) = split_rule_key(key);
+    let regex = rule_regex(key, pattern, source)?;
     let obj = v
         .as_object()
         .ok_or_else(|| anyhow!("{src}: dynamic rule {key:?} maps to {v}, expected an object"))?;
@@ -417,29 +433,193 @@ pub fn exact_pattern(eng: &str, members: &[&str]) -> String {
     }
 }
 
+/// The most rules a plan file may hold: far more than one rule per engine module of the largest
+/// models (a 9.5B MiniCPM-SALA has 160), and few enough that reading and matching them stays
+/// instant.
+pub const MAX_PLAN_RULES: usize = 4096;
+
+/// Top-level keys of a plan file besides `dynamic`: the notes `sensitivity --plan-out` writes
+/// about what the plan was measured from. They change nothing.
+pub const PLAN_NOTES: &[&str] = &[
+    "format",
+    "version",
+    "made_by",
+    "reference",
+    "quantized",
+    "note",
+    "upgrade_bits",
+    "units",
+    "extra_bytes",
+    "quantized_mean_kl",
+    "predicted_mean_kl",
+];
+
 /// The rules of a plan file (`quantize --plan`, written by `sensitivity`): a JSON object whose
 /// `dynamic` object holds GPTQModel rules (`"+:REGEX": {"bits": 8}`, `"-:REGEX": {}`), in the
 /// order the file lists them (the first matching rule decides).
+///
+/// Unlike the `dynamic` of a checkpoint's config (read leniently, as the engines read it), a plan
+/// is strict: every key and value must take effect, so an unknown key, a `-:` rule with values
+/// (which would be dropped), a `+:` rule without any, bits 16 (a `-:` rule) and more than
+/// [`MAX_PLAN_RULES`] rules are refused by name. A leading UTF-8 byte-order mark is skipped.
 pub fn read_plan_rules(path: &Path) -> Result<Vec<DynamicRule>> {
     crate::checkpoint::guard::regular_file(path, "--plan")?;
     let text = read_text(path)?;
-    let v = parse_json(path, &text)?;
-    let rules = match v.get("dynamic") {
-        Some(Value::Object(rules)) => rules
-            .iter()
-            .map(|(key, v)| parse_rule(key, v, path))
-            .collect::<Result<Vec<_>>>()?,
-        _ => bail!(
-            "{}: a plan is a JSON object with a \"dynamic\" object of rules, e.g. \
+    // Some editors start a UTF-8 file with a byte-order mark, which is not JSON.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+    let v = parse_json(path, text)?;
+    let src = path.display();
+    let shape = || {
+        anyhow!(
+            "{src}: a plan is a JSON object with a \"dynamic\" object of rules, e.g. \
              {{\"dynamic\": {{\"+:model\\\\.layers\\\\.3\\\\.mlp\\\\..*\": {{\"bits\": 8}}}}}} \
-             (`soar-gptq sensitivity --plan-out` writes one)",
-            path.display()
-        ),
+             (`soar-gptq sensitivity --plan-out` writes one)"
+        )
     };
-    let order = dynamic_key_order(&text);
-    let mut rules = rules;
-    rules.sort_by_key(|r| order.iter().position(|k| k == &r.key).unwrap_or(usize::MAX));
-    Ok(rules)
+    let obj = v.as_object().ok_or_else(shape)?;
+    let Some(Value::Object(rules)) = obj.get("dynamic") else {
+        return Err(shape());
+    };
+    if let Some(k) = obj
+        .keys()
+        .find(|k| *k != "dynamic" && !PLAN_NOTES.contains(&k.as_str()))
+    {
+        bail!(
+            "{src}: the plan has an unknown key {k:?}: a plan holds its rules under \"dynamic\" \
+             (besides the notes sensitivity writes: {}); the global settings are quantize's \
+             flags (--bits, --group-size, --asym, --act-order)",
+            PLAN_NOTES.join(", ")
+        );
+    }
+    if let Some(f) = obj
+        .get("format")
+        .filter(|f| f.as_str() != Some("soar-gptq-plan"))
+    {
+        bail!("{src}: format is {f}, not \"soar-gptq-plan\": this is not a plan file");
+    }
+    if let Some(ver) = obj.get("version").filter(|v| v.as_u64() != Some(1)) {
+        bail!("{src}: plan version {ver}: this soar-gptq reads version 1 plans");
+    }
+    if rules.is_empty() {
+        bail!(
+            "{src}: \"dynamic\" holds no rules, so the plan would change nothing: add rules, or \
+             quantize without --plan"
+        );
+    }
+    if rules.len() > MAX_PLAN_RULES {
+        bail!(
+            "{src}: {} rules, more than the {MAX_PLAN_RULES} a plan may hold: one rule per module \
+             needs far fewer; merge rules with regular expressions (e.g. \
+             \"+:model\\\\.layers\\\\.(?:1|2|3)\\\\.mlp\\\\..*\")",
+            rules.len()
+        );
+    }
+    // In file order (a parsed object does not keep it; the first matching rule decides).
+    let order = dynamic_key_order(text);
+    let keys: Vec<&String> = if order.len() == rules.len() {
+        order.iter().collect()
+    } else {
+        rules.keys().collect()
+    };
+    keys.into_iter()
+        .map(|k| parse_plan_rule(k, &rules[k.as_str()], path))
+        .collect()
+}
+
+/// The keys a plan rule may set.
+const PLAN_RULE_KEYS: &[&str] = &["bits", "group_size"];
+
+/// One rule of a plan file, strictly (see [`read_plan_rules`]).
+fn parse_plan_rule(key: &str, v: &Value, source: &Path) -> Result<DynamicRule> {
+    let src = source.display();
+    let (skip, pattern) = split_rule_key(key);
+    let obj = v
+        .as_object()
+        .ok_or_else(|| anyhow!("{src}: rule {key:?} maps to {v}, expected an object"))?;
+    // Suggested keys as they are written in the file (a JSON string).
+    let as_json = |k: String| Value::String(k).to_string();
+    if skip && !obj.is_empty() {
+        let values: Vec<String> = obj.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        bail!(
+            "{src}: rule {key:?} sets {}, but a \"-:\" rule keeps the modules it matches in 16 \
+             bits, so these values would be dropped: write {} to quantize them with these \
+             values, or give {key:?} an empty object {{}} to keep them in 16 bits",
+            values.join(", "),
+            as_json(format!("+:{pattern}"))
+        );
+    }
+    for k in obj.keys() {
+        match k.as_str() {
+            "bits" | "group_size" => {}
+            "sym" | "desc_act" => bail!(
+                "{src}: rule {key:?} sets {k}: this tool sets sym or desc_act for the whole model \
+                 (--asym, --act-order); keep only bits and group_size in the rule"
+            ),
+            other => bail!(
+                "{src}: rule {key:?} has an unknown key {other:?}{}: a plan rule sets bits (2, 3, \
+                 4 or 8) and group_size (-1 or a positive number of columns), nothing else",
+                did_you_mean(other, PLAN_RULE_KEYS)
+            ),
+        }
+    }
+    if !skip && obj.is_empty() {
+        bail!(
+            "{src}: rule {key:?} sets nothing: give it bits and/or group_size, or write {}: {{}} \
+             to keep the modules it matches in 16 bits",
+            as_json(format!("-:{pattern}"))
+        );
+    }
+    let mut overrides = QuantOverride::default();
+    if let Some(b) = obj.get("bits") {
+        overrides.bits = Some(match b.as_u64() {
+            Some(16) => bail!(
+                "{src}: rule {key:?} has bits 16: 16 bits means not quantized, which a plan writes \
+                 as a \"-:\" rule: {}: {{}} keeps the modules it matches in 16 bits",
+                as_json(format!("-:{pattern}"))
+            ),
+            Some(b @ (2 | 3 | 4 | 8)) => b as u8,
+            _ => bail!(
+                "{src}: rule {key:?} asks for bits {b}: GPTQ packing takes 2, 3, 4 or 8 (and \
+                 \"-:\" rules keep modules in 16 bits)"
+            ),
+        });
+    }
+    if let Some(g) = obj.get("group_size") {
+        overrides.group_size = Some(parse_group(g).ok_or_else(|| {
+            anyhow!("{src}: rule {key:?} has group_size {g}, expected -1 or > 0")
+        })?);
+    }
+    Ok(DynamicRule {
+        key: key.to_string(),
+        pattern: pattern.to_string(),
+        skip,
+        overrides,
+        regex: rule_regex(key, pattern, source)?,
+    })
+}
+
+/// ` (did you mean "bits"?)` when `word` is a likely misspelling of one of `known`.
+fn did_you_mean(word: &str, known: &[&str]) -> String {
+    fn distance(a: &str, b: &str) -> usize {
+        let b: Vec<char> = b.chars().collect();
+        let mut prev: Vec<usize> = (0..=b.len()).collect();
+        for (i, ca) in a.chars().enumerate() {
+            let mut cur = vec![i + 1];
+            for (j, cb) in b.iter().enumerate() {
+                let sub = prev[j] + usize::from(ca != *cb);
+                cur.push(sub.min(prev[j + 1] + 1).min(cur[j] + 1));
+            }
+            prev = cur;
+        }
+        prev[b.len()]
+    }
+    known
+        .iter()
+        .map(|k| (distance(&word.to_ascii_lowercase(), k), k))
+        .filter(|(d, _)| *d <= 2)
+        .min()
+        .map(|(_, k)| format!(" (did you mean {k:?}?)"))
+        .unwrap_or_default()
 }
 
 /// The keys of the `dynamic` object (of `quantization_config` in a config.json, or at the top
@@ -543,5 +723,168 @@ pub fn natural_cmp(a: &str, b: &str) -> Ordering {
                 y = &y[1..];
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use std::time::{Duration, Instant};
+
+    /// `read_plan_rules` of `text` written to a file.
+    fn plan_text(text: &str) -> Result<Vec<DynamicRule>> {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("plan.json");
+        std::fs::write(&p, text).unwrap();
+        read_plan_rules(&p)
+    }
+
+    fn plan(v: Value) -> Result<Vec<DynamicRule>> {
+        plan_text(&serde_json::to_string(&v).unwrap())
+    }
+
+    fn refused(v: Value, needles: &[&str]) {
+        let e = format!("{:#}", plan(v.clone()).unwrap_err());
+        for n in needles {
+            assert!(e.contains(n), "{v}: expected {n:?} in {e}");
+        }
+    }
+
+    #[test]
+    fn a_plan_rule_that_would_do_nothing_is_refused_by_name() {
+        refused(
+            json!({"dynamic": {"+:.*mlp.*": {"bitz": 8}}}),
+            &["unknown key \"bitz\"", "did you mean \"bits\"", "+:.*mlp.*"],
+        );
+        refused(
+            json!({"dynamic": {"-:.*down_proj": {"bits": 8}}}),
+            &[
+                "-:.*down_proj",
+                "bits 8",
+                "would be dropped",
+                "\"+:.*down_proj\"",
+            ],
+        );
+        refused(
+            json!({"dynamic": {"+:.*down_proj": {}}}),
+            &["sets nothing", "\"-:.*down_proj\": {}"],
+        );
+        refused(json!({"dynamic": {}}), &["holds no rules"]);
+        refused(
+            json!({"dynamic": {"+:.*down_proj": {"bits": 8}}, "bits": 8}),
+            &["unknown key \"bits\"", "--bits"],
+        );
+        refused(
+            json!({"dynamic": {"+:.*down_proj": {"bits": 8}}, "version": 2}),
+            &["version 2"],
+        );
+        refused(
+            json!({"dynamic": {"+:.*down_proj": {"sym": false}}}),
+            &["sym or desc_act"],
+        );
+        refused(
+            json!({"dynamic": {"+:.*down_proj": {"bits": 5}}}),
+            &["2, 3, 4 or 8"],
+        );
+        // The lenient reader of a checkpoint's config keeps accepting what the engines accept.
+        let q = QuantInfo::from_json(
+            json!({"bits": 4, "group_size": 128,
+                   "dynamic": {"+:.*mlp.*": {"bitz": 8}, "-:.*down_proj": {"bits": 8}}}),
+            Path::new("config.json"),
+            true,
+        )
+        .unwrap();
+        assert_eq!(q.dynamic.len(), 2);
+    }
+
+    #[test]
+    fn bits_16_points_to_a_keep_rule() {
+        refused(
+            json!({"dynamic": {"+:model\\.layers\\.0\\.mlp\\..*": {"bits": 16}}}),
+            &[
+                "bits 16",
+                r#""-:model\\.layers\\.0\\.mlp\\..*": {}"#,
+                "16 bits",
+            ],
+        );
+    }
+
+    #[test]
+    fn a_plan_with_a_byte_order_mark_is_read() {
+        let rules = plan_text(
+            "\u{feff}{\"dynamic\": {\"+:model\\\\.layers\\\\.0\\\\.mlp\\\\..*\": {\"bits\": 8}, \
+             \"-:model\\\\.layers\\\\.1\\\\.mlp\\\\.down_proj\": {}}}",
+        )
+        .unwrap();
+        assert_eq!(rules.len(), 2);
+        assert_eq!(rules[0].overrides.bits, Some(8));
+        assert!(rules[1].skip);
+    }
+
+    #[test]
+    fn plan_rules_keep_file_order() {
+        let text =
+            r#"{"dynamic": {"+:z.*": {"bits": 8}, "-:a.*": {}, "+:m.*": {"group_size": 64}}}"#;
+        let keys: Vec<String> = plan_text(text)
+            .unwrap()
+            .into_iter()
+            .map(|r| r.key)
+            .collect();
+        assert_eq!(keys, ["+:z.*", "-:a.*", "+:m.*"]);
+    }
+
+    /// `n` distinct rules, none of which matches a real module.
+    fn many_rules(n: usize) -> String {
+        let rules: Vec<String> = (0..n)
+            .rev()
+            .map(|i| format!("\"+:model\\\\.nothing\\\\.{i}$\": {{\"bits\": 8}}"))
+            .collect();
+        format!("{{\"dynamic\": {{{}}}}}", rules.join(", "))
+    }
+
+    #[test]
+    fn too_many_plan_rules_are_refused_at_once() {
+        let text = many_rules(100_000);
+        let t = Instant::now();
+        let e = plan_text(&text).unwrap_err().to_string();
+        assert!(
+            e.contains("100000 rules") && e.contains(&MAX_PLAN_RULES.to_string()),
+            "{e}"
+        );
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    }
+
+    #[test]
+    fn rule_order_takes_linear_time() {
+        // As many rules as a plan may hold, read in file order (the key order differs from the
+        // sorted order a parsed object has).
+        let t = Instant::now();
+        let rules = plan_text(&many_rules(MAX_PLAN_RULES)).unwrap();
+        assert_eq!(
+            rules[0].key,
+            format!("+:model\\.nothing\\.{}$", MAX_PLAN_RULES - 1)
+        );
+        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+        // A checkpoint config's rules (no bound there): ordering 30,000 is instant.
+        let mut q = QuantInfo::from_json(
+            json!({"bits": 4, "group_size": 128}),
+            Path::new("config.json"),
+            true,
+        )
+        .unwrap();
+        let rule = plan_text(&many_rules(1)).unwrap().remove(0);
+        let n = 30_000;
+        q.dynamic = (0..n)
+            .map(|i| DynamicRule {
+                key: format!("+:r{i}"),
+                ..rule.clone()
+            })
+            .collect();
+        let order: Vec<String> = (0..n).rev().map(|i| format!("+:r{i}")).collect();
+        let t = Instant::now();
+        q.order_rules(&order);
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+        assert_eq!(q.dynamic[0].key, format!("+:r{}", n - 1));
     }
 }

@@ -16,6 +16,7 @@ use super::plan::Plan;
 use super::stages::Stages;
 use super::stream::StreamFeed;
 use super::{ModuleRow, QuantizeOptions};
+use crate::checkpoint::guard::InputPath;
 use crate::checkpoint::Checkpoint;
 use crate::gptq::QuantParams;
 use crate::model::AnyConfig;
@@ -44,6 +45,8 @@ pub(super) struct LayerRun<'a> {
     pub residency: store::Residency,
     /// The folder for hidden states spilled to disk.
     pub spill: PathBuf,
+    /// Every input of the run, which no `--save-hessians` file may be.
+    pub inputs: &'a [InputPath],
 }
 
 impl LayerRun<'_> {

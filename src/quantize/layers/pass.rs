@@ -13,6 +13,7 @@ use super::decode::{decode_codes, relative_output_error};
 use super::loader::Stage;
 use super::store::{Budget, Cache, States};
 use super::LayerRun;
+use crate::checkpoint::guard::OutputFile;
 use crate::gptq::{
     self, Factorization, HessianAccumulator, QuantParams, QuantizedLinear, SolveOptions,
 };
@@ -360,7 +361,14 @@ impl<'r, 's> Pass<'r, 's> {
         }
         for (g, a) in &subset.acc {
             if let Some(dir) = &opts.save_hessians {
-                a.save(&dir.join(format!("layer-{i:05}.{}.safetensors", g.name())))?;
+                let path = dir.join(format!("layer-{i:05}.{}.safetensors", g.name()));
+                // --force or --resume allowed the folder's old files to be replaced.
+                a.save(&OutputFile::check(
+                    "--save-hessians",
+                    &path,
+                    true,
+                    self.run.inputs,
+                )?)?;
             }
             subset.hessians.insert(*g, a.hessian()?);
             if let Some(d) = a.cross_term()? {

@@ -74,11 +74,12 @@ mod tests {
 
     #[test]
     fn the_plot_is_an_svg_with_a_line_per_model_and_the_same_bytes_each_time() {
-        let mut s = PositionSums::default();
-        s.nll = vec![1.0; 300];
-        s.kl = (0..300).map(|p| p as f64 * 1e-3).collect();
-        s.agree = vec![1; 300];
-        s.count = vec![1; 300];
+        let s = PositionSums {
+            nll: vec![1.0; 300],
+            kl: (0..300).map(|p| p as f64 * 1e-3).collect(),
+            agree: vec![1; 300],
+            count: vec![1; 300],
+        };
         let models = vec![("a".to_string(), &s), ("b".to_string(), &s)];
         let svg = kl_by_position_svg(&models, 301).unwrap();
         assert!(svg.starts_with("<svg"));

@@ -169,7 +169,8 @@ pub fn launch_cfg(grid: (u32, u32, u32), block: (u32, u32, u32)) -> LaunchConfig
 /// The module of `src/kernels/{file}.cu`, loaded once per device ordinal (candle's devices
 /// share the primary context of their ordinal).
 fn kernel_module(dev: &CudaDevice, file: &str) -> Result<Arc<CudaModule>> {
-    static MODULES: OnceLock<Mutex<HashMap<(usize, String), Arc<CudaModule>>>> = OnceLock::new();
+    type Modules = Mutex<HashMap<(usize, String), Arc<CudaModule>>>;
+    static MODULES: OnceLock<Modules> = OnceLock::new();
     let Some((_, bytes)) = FATBINS.iter().find(|(n, _)| *n == file) else {
         bail!("internal: no CUDA kernel file {file}");
     };

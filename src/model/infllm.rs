@@ -6,8 +6,9 @@
 //! head, and exact softmax attention over the selected blocks (stage 2).
 //!
 //! This file is the composed form that runs on the CPU and is the GPU kernels' twin
-//! (`kernels::cuda::infllm_*`, feature `cuda`). `tests/integration/forward_reference.rs` checks it
-//! against an f64 oracle written from the same description.
+//! (`kernels::infllm`, feature `cuda`; `tests/cuda_infllm.rs` compares them).
+//! `tests/integration/forward_reference.rs` checks it against an f64 oracle written from the
+//! same description.
 
 use super::config::SparseConfig;
 use anyhow::{bail, ensure, Result};
@@ -70,7 +71,7 @@ impl InfllmV2 {
             );
         }
         let ratio = heads / kv_heads.max(1);
-        if ratio == 0 || !GROUP.is_multiple_of(ratio) || heads % kv_heads.max(1) != 0 {
+        if ratio == 0 || !GROUP.is_multiple_of(ratio) || !heads.is_multiple_of(kv_heads.max(1)) {
             bail!(
                 "num_attention_heads / num_key_value_heads is {heads} / {kv_heads}: InfLLM-v2's \
                  kernels group 16 query heads per kv head and take ratios that divide 16"

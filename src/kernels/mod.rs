@@ -11,14 +11,20 @@
 //! | GPTQ / Marlin decode | `dequant_gptq`, `dequant_marlin` | `format::dequantize_gptq`, `format::quantized::dequantize_module` |
 //! | causal GQA attention of the sparse layers, BF16 in/out | `flash_attn_causal_d{16,32,64,128}_m{64,128}`: fused flash-style (mma.sync BF16, f32 online softmax, P rounded to BF16 for P·V) | `model::minicpm_sala::sparse_attention_composed` (f32 scores, mask, softmax, P·V) |
 //! | Simple-GLA of the lightning layers, BF16 or f32 in, f32 out | `gla_fwd_d{16,32,64,128}_{bf16,f32}` (`gla.rs`, `gla.cu`): chunks of 64 walked in order per (value slice, head, batch), the state slice on chip, f32 FFMA | `model::gla::chunked` (and `chunk_parallel`, the model's form) |
+//! | InfLLM-v2 stage 1 and block scores (`infllm.rs`, `infllm.cu`) | `infllm_block_scores_g{1,2,4,8,16}`: per kv group, 16 rows = 16/G tokens × G heads on mma.sync BF16; K2 log-sum-exp and K1 probabilities in f32, head sum rounded to BF16, max-pooled into blocks, forced blocks +inf | `model::infllm::block_scores` |
+//! | InfLLM-v2 top-k block selection | `infllm_select`: a warp per row, radix select on order-preserving keys, lower index on ties | `model::infllm::select_blocks` |
+//! | InfLLM-v2 block-sparse attention, BF16 in/out | `infllm_attend_g{1,2,4,8,16}_m{64,128}`: the flash kernel's tiles over the union of a tile's tokens' selected blocks, each row masked to its own token's blocks and keys | `model::infllm::block_sparse_attention` |
 //!
 //! Besides the kernels, `cuda.rs` holds the transfers: page-locked staging of the codes (device to
 //! host) and of the next decoder layer's weights (`PinnedStage`, host to device).
 //!
 //! The CPU build (the default, and CI) compiles none of this; `tests/cuda_twins.rs` (and
-//! `tests/cuda_gla.rs` for Simple-GLA) compares every pair on a GPU machine.
+//! `tests/cuda_gla.rs` for Simple-GLA, `tests/cuda_infllm.rs` for InfLLM-v2) compares every
+//! pair on a GPU machine.
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "cuda")]
 pub mod gla;
+#[cfg(feature = "cuda")]
+pub mod infllm;

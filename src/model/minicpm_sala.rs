@@ -419,7 +419,7 @@ pub fn simple_gla(
 
 /// InfLLM-v2 attention of a sparse layer (docs/model.md, InfLLM-v2): q `[B, T, H, D]`, k, v
 /// `[B, T, KV, D]` → `[B, T, H·D]` in q's dtype. On a GPU, for BF16 tensors, the fused kernels
-/// (block selection, then block-sparse flash attention; `kernels::cuda::infllm_*`, feature
+/// (block selection, then block-sparse flash attention; `kernels::infllm`, feature
 /// `cuda`); elsewhere the composed form [`infllm::attention`], their CPU twin.
 pub fn infllm_attention(cfg: &InfllmV2, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     infllm::attention(cfg, q, k, v)

@@ -422,6 +422,25 @@ pub fn simple_gla(
 /// (block selection, then block-sparse flash attention; `kernels::infllm`, feature
 /// `cuda`); elsewhere the composed form [`infllm::attention`], their CPU twin.
 pub fn infllm_attention(cfg: &InfllmV2, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    {
+        let untracked = !(q.track_op() || k.track_op() || v.track_op());
+        let bf16 = [q.dtype(), k.dtype(), v.dtype()] == [DType::BF16; 3];
+        if q.device().is_cuda() && bf16 && untracked && q.dim(1)? > 0 {
+            use crate::kernels::infllm as kern;
+            let k1 = infllm::compress_keys(k, cfg.kernel_size, cfg.kernel_stride)?;
+            let k2 = infllm::compress_keys(k, 4 * cfg.kernel_size, 4 * cfg.kernel_stride)?;
+            let p = kern::InfllmParams {
+                kernel_size: cfg.kernel_size,
+                kernel_stride: cfg.kernel_stride,
+                block_size: cfg.block_size,
+                init_blocks: cfg.init_blocks,
+                local_blocks: cfg.local_blocks,
+                topk: cfg.topk,
+            };
+            return kern::attention(q, k, v, &k1, &k2, &p);
+        }
+    }
     infllm::attention(cfg, q, k, v)
 }
 

@@ -5,7 +5,7 @@ use super::super::QuantizeOptions;
 use crate::checkpoint::Checkpoint;
 use crate::model::AnyConfig;
 use anyhow::Result;
-use candle_core::{DType, Device, Tensor};
+use candle_core::Device;
 
 /// A page-locked copy of a decoder layer's weights (`kernels::cuda::PinnedStage`); without the
 /// `cuda` feature a type that is never made.
@@ -24,9 +24,9 @@ impl Stage {
         &self,
         _: &Device,
         _: &str,
-        _: DType,
+        _: candle_core::DType,
         _: &[usize],
-    ) -> Result<Option<Tensor>> {
+    ) -> Result<Option<candle_core::Tensor>> {
         match *self {}
     }
 }

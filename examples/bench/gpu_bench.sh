@@ -6,12 +6,15 @@
 #   CARGO_TARGET_DIR=target-cuda cargo build --release --features cuda --examples
 #   CARGO_TARGET_DIR=target-cuda cargo test --release --features cuda --no-run
 # then put xz-compressed copies into .gpu/ (git-ignored):
-#   soar-gptq.xz, bench_solver.xz, cuda_twins.xz
+#   soar-gptq.xz, bench_solver.xz, cuda.xz (the tests/cuda binary)
 # and run on the GPU machine, carrying .gpu:
 #   bash examples/bench/gpu_bench.sh twins solver small e2e128 e2e256
 #
 # Stages (any order, any subset):
-#   twins   the CUDA kernels against their CPU twins (tests/cuda_twins.rs)
+#   twins   the CUDA kernels against their CPU twins (tests/cuda)
+#   cmp128  the 9.5B at 128 x 2048 with .gpu/soar-base.xz and this build
+#   long    the 9.5B at LONG_N x LONG_LEN (default 16 x 49152; LONG_LEN may be MIN..MAX), LONG_FLAGS
+#   evallong  eval-ppl --seqlen EVAL_LEN (32768) of the 9.5B against long's output (KEEP_LONG=1), plot
 #   solver  GPTQ solver on the MiniCPM-SALA shapes: our GPU and CPU solvers, and the eager
 #           PyTorch baseline (examples/bench/gptq_eager.py) on the same saved W and H;
 #           tensor-core XᵀX rates
@@ -154,10 +157,64 @@ for stage in "$@"; do
     rm -rf /tmp/qg
     ;;
   twins)
+    # Every GPU kernel against its CPU twin (tests/cuda: the GPTQ kernels, Simple-GLA, InfLLM-v2).
     log "twins"
-    "$G/cuda_twins" --nocapture --test-threads=1 > /tmp/twins.log 2>&1
+    timeout "${TWINS_TIMEOUT:-420}" "$G/cuda" --nocapture --test-threads=1 > /tmp/twins.log 2>&1
     echo "rc $?" >> /tmp/twins.log
-    grep -E "^test |test result|GPU vs CPU|differ at|damp used|rc |panicked|assert" /tmp/twins.log | tee -a "$OUT/summary.txt"
+    cp /tmp/twins.log "$OUT/twins.log"
+    grep -E "^test |test result|GPU vs CPU|differ|damp used|rc |panicked|assert|ms|TFLOP" /tmp/twins.log | tee -a "$OUT/summary.txt"
+    ;;
+  cmp128)
+    # The 9.5B at 128 x 2048 (all defaults) with .gpu/soar-base.xz and this build, one after
+    # the other: their stage tables.
+    log "cmp128"
+    B=/tmp/sala9b
+    [ -f $B/config.json ] || timed "$SG" synth --preset minicpm-sala-9b --out $B 2>&1 | tail -2 | tee -a "$OUT/summary.txt"
+    for bin in soar-base soar-gptq; do
+      rm -rf /tmp/qg /tmp/qg.partial
+      timed "$G/$bin" quantize --model $B --out /tmp/qg --device cuda > /tmp/qg.txt 2> /tmp/qg.err
+      echo "9.5B 128x2048 $bin rc $?" | tee -a "$OUT/summary.txt"
+      grep -E "preflight|activations|wall" /tmp/qg.err | tee -a "$OUT/summary.txt"
+      grep -E "^stages|GPU memory|peak memory" /tmp/qg.txt | tee -a "$OUT/summary.txt"
+    done
+    rm -rf /tmp/qg
+    ;;
+  long)
+    # The 9.5B at LONG_N windows of LONG_LEN tokens (a length or MIN..MAX), default 16 x 49152,
+    # with LONG_FLAGS: the report's stages, GPU and host memory.
+    N=${LONG_N:-16}; L=${LONG_LEN:-49152}
+    log "long $N x $L ${LONG_FLAGS:-}"
+    B=/tmp/sala9b
+    [ -f $B/config.json ] || timed "$SG" synth --preset minicpm-sala-9b --out $B 2>&1 | tail -2 | tee -a "$OUT/summary.txt"
+    rm -rf /tmp/ql /tmp/ql.partial
+    # shellcheck disable=SC2086
+    timed "$SG" quantize --model $B --out /tmp/ql --device cuda --nsamples $N --seqlen $L \
+      ${LONG_FLAGS:-} --json > /tmp/ql.json 2> /tmp/ql.err
+    echo "rc $?" | tee -a "$OUT/summary.txt"
+    grep -E "preflight|activations|wall|error" /tmp/ql.err | tee -a "$OUT/summary.txt"
+    python3 - /tmp/ql.json <<'PY' | tee -a "$OUT/summary.txt"
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except Exception as e:
+    sys.exit(f"no report: {e}")
+st = r.get("stages") or {}
+print("stages (s):", {k: round(v, 2) for k, v in st.items() if isinstance(v, float)})
+print("total", round(r["total_seconds"], 1), "s; peak host", (r.get("peak_rss_bytes") or 0) / 1e9, "GB; gpu",
+      {k: round(v / 1e9, 1) for k, v in (r.get("gpu_memory") or {}).items()})
+PY
+    [ "${KEEP_LONG:-0}" = 1 ] || rm -rf /tmp/ql
+    ;;
+  evallong)
+    # eval-ppl of the 9.5B and the long-calibrated output at EVAL_LEN tokens (default 32768),
+    # with the position ranges and the KL plot.
+    log "evallong ${EVAL_LEN:-32768}"
+    timed "$SG" eval-ppl --model /tmp/sala9b --compare /tmp/ql --seqlen "${EVAL_LEN:-32768}" \
+      --max-windows "${EVAL_WINDOWS:-2}" --batch 1 --device cuda --plot "$OUT/kl.svg" \
+      > /tmp/ev.txt 2> /tmp/ev.err
+    echo "rc $?" | tee -a "$OUT/summary.txt"
+    cat /tmp/ev.txt | tee -a "$OUT/summary.txt"
+    grep -E "wall|error" /tmp/ev.err | tee -a "$OUT/summary.txt"
     ;;
   solver)
     log "solver"

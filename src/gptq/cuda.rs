@@ -8,7 +8,7 @@
 //! * [`solve`]: group parameters, the fused in-block column loop (one warp per output row) and
 //!   one cuBLAS SGEMM per block for the lazy update; codes, scales and zeros come back to the host.
 //!
-//! `tests/cuda_twins.rs` compares both with the CPU solver on a GPU machine.
+//! `tests/cuda/twins.rs` compares both with the CPU solver on a GPU machine.
 
 use std::time::Instant;
 

@@ -1,7 +1,7 @@
 //! The raw CUDA layer (feature `cuda`): kernel launching, device pointers, cuBLAS/cuSOLVER
 //! handles and calls, transfers, and the device-memory pool. It knows nothing of GPTQ; the GPU
 //! solve that uses it lives in `crate::gptq` (`gptq/cuda.rs`). Its kernels with a CPU twin that
-//! `tests/cuda_twins.rs` compares on a GPU machine:
+//! `tests/cuda/twins.rs` compares on a GPU machine:
 //!
 //! * [`xtx_add`]: `Σ xᵀx` with BF16/F16 inputs on tensor cores and f32 accumulation (one cuBLAS
 //!   `GemmEx` per 16 K rows, `beta = 1` across them) — twin: the f32 matmul of

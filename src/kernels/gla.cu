@@ -1,7 +1,7 @@
 // Fused chunked Simple-GLA forward of the lightning layers (built to a fatbin by build.rs with the
 // `cuda` feature; launched by kernels/gla.rs).
 //
-// Its CPU twins, which the tests compare it with (tests/cuda_gla.rs):
+// Its CPU twins, which the tests compare it with (tests/cuda/gla.rs):
 //   gla_fwd_d{D}_{bf16,f32} -> model/gla.rs chunked (and chunk_parallel, what the model runs)
 //
 // Per (batch b, head h) with decay γ = γ_h, state S [D, D] (zero, or a given state) and chunks

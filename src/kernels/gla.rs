@@ -3,7 +3,7 @@
 //! keeping the state on chip, so its time and memory are O(T) (the chunk-parallel form's
 //! inter-chunk product is O(T²/64) and its state tensor `[NC, H, D, D]` reaches gigabytes at
 //! long windows). All f32 arithmetic, as the CPU forms. CPU twin: `model::gla::chunked` (and
-//! `chunk_parallel`, the same output); `tests/cuda_gla.rs` compares them.
+//! `chunk_parallel`, the same output); `tests/cuda/gla.rs` compares them.
 //!
 //! The decay tables are computed in f64 and stored as f32 exactly as `model::gla` builds its
 //! chunk decays, and uploaded once per (decays, device).

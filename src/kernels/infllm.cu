@@ -1,7 +1,7 @@
 // InfLLM-v2 block-sparse attention kernels (built to a fatbin by build.rs with the `cuda` feature;
 // launched from src/kernels/infllm.rs). Semantics: /work/notes/infllmv2-spec.md §0, §2.C-G, §3,
 // §4 and docs/model.md (InfLLM-v2). Each kernel has a CPU twin in src/model/infllm.rs that
-// tests/cuda_infllm.rs compares it with:
+// tests/cuda/infllm.rs compares it with:
 //
 //   infllm_block_scores_g{G}    -> infllm.rs block_scores (stage 1, head sum, max pooling, forced
 //                                  blocks; equal up to 1 BF16 step of the head sum's rounding)

@@ -2,7 +2,7 @@
 //! stage-1 block scores, the top-k block selection and the block-sparse flash attention of a
 //! sparse layer (docs/model.md, InfLLM-v2). Their CPU twin is the composed form in
 //! `model::infllm` (`block_scores`, `select_blocks`, `block_sparse_attention`), which
-//! `tests/cuda_infllm.rs` compares them with. The caller computes the compressed keys (with
+//! `tests/cuda/infllm.rs` compares them with. The caller computes the compressed keys (with
 //! `model::infllm::compress_keys`, which runs on any device) and passes plain settings: this layer
 //! knows nothing of the model's config.
 //!

@@ -18,8 +18,8 @@
 //! Besides the kernels, `cuda.rs` holds the transfers: page-locked staging of the codes (device to
 //! host) and of the next decoder layer's weights (`PinnedStage`, host to device).
 //!
-//! The CPU build (the default, and CI) compiles none of this; `tests/cuda_twins.rs` (and
-//! `tests/cuda_gla.rs` for Simple-GLA, `tests/cuda_infllm.rs` for InfLLM-v2) compares every
+//! The CPU build (the default, and CI) compiles none of this; `tests/cuda/twins.rs` (and
+//! `tests/cuda/gla.rs` for Simple-GLA, `tests/cuda/infllm.rs` for InfLLM-v2) compares every
 //! pair on a GPU machine.
 
 #[cfg(feature = "cuda")]

@@ -6,7 +6,7 @@
 //! head, and exact softmax attention over the selected blocks (stage 2).
 //!
 //! This file is the composed form that runs on the CPU and is the GPU kernels' twin
-//! (`kernels::infllm`, feature `cuda`; `tests/cuda_infllm.rs` compares them).
+//! (`kernels::infllm`, feature `cuda`; `tests/cuda/infllm.rs` compares them).
 //! `tests/integration/forward_reference.rs` checks it against an f64 oracle written from the
 //! same description.
 

@@ -92,7 +92,7 @@ impl Linear {
 /// RMSNorm. On a GPU, for tensors no gradient flows through, candle's fused kernel
 /// ([`candle_nn::ops::rms_norm`]: one pass, f32 inside, one rounding at the end); elsewhere
 /// [`rms_norm_composed`], the reference's own sequence of operations, which is the CPU twin that
-/// `tests/cuda_twins.rs` compares the kernel with.
+/// `tests/cuda/twins.rs` compares the kernel with.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
     if fused(x) && w.dtype() == x.dtype() && w.rank() == 1 {
         let x = x.contiguous()?;

@@ -133,7 +133,7 @@ impl ModuleCodes {
     }
 
     /// [`dequantize`](Self::dequantize) as an f32 `[N, K]` tensor on `device`: decoded by the
-    /// GPU kernels on a CUDA device (bit-identical, `tests/cuda_twins.rs`), else on the CPU.
+    /// GPU kernels on a CUDA device (bit-identical, `tests/cuda/twins.rs`), else on the CPU.
     pub fn dequantize_tensor(
         &self,
         n: usize,

@@ -1,10 +1,9 @@
-#![cfg(feature = "cuda")]
 //! The fused Simple-GLA kernel (`kernels::gla`, `src/kernels/gla.cu`) against its CPU twins,
 //! `model::gla::chunk_parallel` (the form the model runs) and `model::gla::chunked` (the form
 //! with states): the largest difference at most 1e-5 of the largest |o| (the tolerance the CPU
 //! forms keep among themselves), for BF16 and f32 inputs. Built only with `--features cuda`; run
 //! on a machine with a GPU. Without one every test fails, unless `SOAR_GPTQ_SKIP_GPU_TESTS=1`
-//! says to skip them. The timings: `cargo test --release --features cuda --test cuda_gla --
+//! says to skip them. The timings: `cargo test --release --features cuda --test cuda --
 //! --nocapture --test-threads=1`.
 
 use candle_core::{DType, Device, Tensor};

@@ -2,7 +2,6 @@
 //! `--features cuda`; run on a machine with a GPU. Without one every test fails, unless
 //! `SOAR_GPTQ_SKIP_GPU_TESTS=1` says to skip them (a CUDA build checked on a GPU-less machine).
 
-#![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor};
 use soar_gptq::format::{self, ModuleCodes};
@@ -670,7 +669,7 @@ fn fused_causal_attention_matches_the_composed_cpu_form() {
 
 /// Fused vs composed causal attention at the model's shape (B 4, H 32, T 2048, D 128; the
 /// released KV 2 and KV 8), 20 calls each: `cargo test --release --features cuda --test
-/// cuda_twins -- --ignored --nocapture attention_speed`.
+/// cuda -- --ignored --nocapture attention_speed`.
 #[test]
 #[ignore]
 fn attention_speed() {

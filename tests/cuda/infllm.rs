@@ -9,12 +9,11 @@
 //! added in another order, then rounded to BF16); selections from the same scores are identical,
 //! and from the CPU's own scores differ only in blocks whose CPU score lies within one BF16 step of
 //! the K-th best (a near-tie at the cut); attention outputs, given the same selection, are within
-//! the fused dense kernel's bound (tests/cuda_twins.rs): max |Δ| ≤ 2e-2 · max |o| and mean |Δ| ≤ 3×
+//! the fused dense kernel's bound (tests/cuda/twins.rs): max |Δ| ≤ 2e-2 · max |o| and mean |Δ| ≤ 3×
 //! the f32 reference's own BF16 output rounding. At long T the CPU twins run on sampled rows
 //! (`score_row`, `select_row` and `attention_row` below are the library's per-row arithmetic,
 //! checked against it on the small cases).
 
-#![cfg(feature = "cuda")]
 
 use std::collections::BTreeSet;
 use std::time::Instant;
@@ -382,7 +381,7 @@ impl ErrStats {
         self.n += 1;
     }
 
-    /// The fused dense kernel's bound (tests/cuda_twins.rs).
+    /// The fused dense kernel's bound (tests/cuda/twins.rs).
     fn check(&self, what: &str) {
         let n = self.n.max(1) as f64;
         let (mean, cmean) = (self.sum / n, self.round / n);

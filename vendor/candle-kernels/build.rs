@@ -8,12 +8,14 @@ const CUTILE_FEATURE: &str = "CARGO_FEATURE_CUTILE";
 /// `x.fatbin`, made by `nvcc -fatbin` from `x.ptx` for the detected compute capability
 /// (ptxas runs here, at build time, instead of in the driver at run time). The fatbins are built
 /// on threads: ptxas of the largest modules takes seconds each.
-fn fatbins(out_dir: &std::path::Path, ptx_rs: &std::path::Path) -> Result<()> {
+fn fatbins(out_dir: &std::path::Path, ptx_rs: &std::path::Path, archs: &[u32]) -> Result<()> {
     let nvcc = cudaforge::CudaToolkit::detect()?.nvcc_path;
-    let arch = cudaforge::detect_compute_cap()?;
-    let sm = arch.to_nvcc_arch(); // e.g. sm_90a
-    let compute = sm.replacen("sm_", "compute_", 1);
-    let gencode = format!("-gencode=arch={compute},code=[{sm},{compute}]");
+    // soar-gptq: SASS for every target architecture from the PTX (built for the lowest), and
+    // the PTX itself for GPUs none of them fits.
+    let lowest = *archs.iter().min().expect("at least one architecture");
+    let mut codes: Vec<String> = archs.iter().map(|a| format!("sm_{a}")).collect();
+    codes.push(format!("compute_{lowest}"));
+    let gencode = format!("-gencode=arch=compute_{lowest},code=[{}]", codes.join(","));
     let text = std::fs::read_to_string(ptx_rs)?;
     let mut names = Vec::new();
     for line in text.lines() {
@@ -65,8 +67,51 @@ fn fatbins(out_dir: &std::path::Path, ptx_rs: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
+/// soar-gptq: every architecture the binary carries machine code for when the build machine has
+/// no GPU (the root crate's build.rs has the same list and rule).
+const ALL_ARCHS: &[u32] = &[80, 86, 89, 90, 100, 120];
+
+/// soar-gptq: `CUDA_COMPUTE_CAP` (one, or a comma-separated list), else the local GPU's
+/// (nvidia-smi), else [`ALL_ARCHS`].
+fn target_archs() -> Vec<u32> {
+    if let Ok(s) = env::var("CUDA_COMPUTE_CAP") {
+        return s
+            .split(',')
+            .map(|a| {
+                a.trim()
+                    .trim_end_matches(['a', 'f'])
+                    .replace('.', "")
+                    .parse::<u32>()
+                    .unwrap_or_else(|_| panic!("CUDA_COMPUTE_CAP={s} is not a list of compute capabilities"))
+            })
+            .collect();
+    }
+    if let Ok(o) = std::process::Command::new("nvidia-smi")
+        .args(["--query-gpu=compute_cap", "--format=csv,noheader"])
+        .output()
+    {
+        if o.status.success() {
+            let mut archs: Vec<u32> = String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter_map(|l| l.trim().replace('.', "").parse().ok())
+                .collect();
+            archs.sort();
+            archs.dedup();
+            if !archs.is_empty() {
+                return archs;
+            }
+        }
+    }
+    ALL_ARCHS.to_vec()
+}
+
 fn main() -> Result<()> {
     println!("cargo::rerun-if-changed=build.rs");
+    println!("cargo::rerun-if-env-changed=CUDA_COMPUTE_CAP");
+    // soar-gptq: the PTX (and cudaforge's other steps) for the lowest target architecture.
+    let archs = target_archs();
+    let lowest = *archs.iter().min().expect("at least one architecture");
+    env::set_var("CUDA_COMPUTE_CAP", lowest.to_string());
     println!("cargo::rerun-if-changed=src");
     println!("cargo::rerun-if-changed=src/compatibility.cuh");
     println!("cargo::rerun-if-changed=src/cuda_utils.cuh");
@@ -86,7 +131,7 @@ fn main() -> Result<()> {
     bindings.write(&ptx_path)?;
     // soar-gptq: assemble every PTX into a fatbin (SASS for the build's GPU plus the PTX) and
     // embed that instead, so the driver loads machine code with no JIT on first use.
-    fatbins(&out_dir, &ptx_path)?;
+    fatbins(&out_dir, &ptx_path, &archs)?;
 
     let mut moe_sources = vec![
         "src/moe/moe_gguf.cu",

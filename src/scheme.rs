@@ -92,6 +92,30 @@ impl Serialize for GroupSize {
     }
 }
 
+/// The precision of the Cholesky factorization and triangular inverse of each Hessian
+/// (`--factor-precision`; docs/algorithm.md, Preprocessing of H): f64 where the device runs it
+/// at a useful rate, f32 on cards whose FP64 rate is a small fraction of their FP32 rate.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FactorPrecision {
+    /// f64 on the CPU and on GPUs with at least 1/8 of their FP32 rate in FP64 (A100, H100,
+    /// H200, B200), f32 on the others (RTX and workstation cards, L40S).
+    #[default]
+    Auto,
+    F64,
+    F32,
+}
+
+impl FactorPrecision {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::F64 => "f64",
+            Self::F32 => "f32",
+        }
+    }
+}
+
 /// Column order of the solve (docs/decisions.md, Static act-order by default).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, clap::ValueEnum)]
 pub enum ActOrder {

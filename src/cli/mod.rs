@@ -244,6 +244,10 @@ pub struct QuantizeArgs {
     /// Initial damping as a fraction of mean(diag H), in (0, 1); doubled on a failed factorization.
     #[arg(long, default_value_t = 0.01, value_parser = parse_damp)]
     pub damp: f64,
+    /// Precision of each Hessian's Cholesky factorization and inverse: auto (f64 on the CPU and
+    /// on GPUs with a useful FP64 rate, f32 on RTX, L40S and workstation cards), f64 or f32.
+    #[arg(long, value_enum, default_value_t = crate::scheme::FactorPrecision::Auto)]
+    pub factor_precision: crate::scheme::FactorPrecision,
     /// Calibration windows.
     #[arg(long, default_value_t = 128, value_parser = parse_positive)]
     pub nsamples: usize,
@@ -572,6 +576,8 @@ fn run(cli: Cli) -> Result<()> {
                 );
             }
             let device = a.device.open()?;
+            let factor_precision =
+                crate::quantize::resolve_factor_precision(a.factor_precision, &device)?;
             let opts = crate::quantize::QuantizeOptions {
                 model: a.model.clone(),
                 revision: a.revision.clone(),
@@ -609,6 +615,7 @@ fn run(cli: Cli) -> Result<()> {
                 },
                 gptaq_alpha: a.gptaq_alpha,
                 batch: a.batch,
+                factor_precision,
                 max_gpu_memory: a.max_gpu_memory,
                 max_host_memory: a.max_host_memory,
                 shard_bytes: a.shard_size,

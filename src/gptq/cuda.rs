@@ -25,8 +25,9 @@ use super::solver::{
 };
 use crate::kernels::cuda::{
     blocks, codes_to_host, count_nonfinite, cublas_ok, cuda, cusolver_ok, diagonal, launch,
-    launch_cfg, lower_inverse, slice_ptr, solver_handle, tensor_ptr, upload, wrap, Trace,
+    launch_cfg, lower_inverse, slice_ptr, solver_handle, tensor_ptr, upload, wrap, Real, Trace,
 };
+use crate::scheme::FactorPrecision;
 
 /// The factorization of a Hessian on its GPU (the twin of `solver::factorize`): dead columns,
 /// the processing order, and U (row-major f32) of the damped, permuted H⁻¹ in f64.
@@ -50,7 +51,16 @@ pub(super) fn factorize(h: &Tensor, opts: &SolveOptions) -> Result<Factorization
     let (dead, perm) = dead_columns_and_order(&mut diag, opts.act_order);
     let mean_diag = diag.iter().map(|&d| d as f64).sum::<f64>() / k as f64;
     trace.lap("diag + order")?;
-    let (u, damp_used) = inverse_cholesky_upper(dev, &h, k, &perm, opts.damp, mean_diag, module)?;
+    let (u, damp_used) = inverse_cholesky_upper(
+        dev,
+        &h,
+        k,
+        &perm,
+        opts.damp,
+        mean_diag,
+        opts.factor,
+        module,
+    )?;
     stream.synchronize()?;
     Ok(Factorization {
         k,
@@ -65,9 +75,11 @@ pub(super) fn factorize(h: &Tensor, opts: &SolveOptions) -> Result<Factorization
 }
 
 /// U with `H⁻¹ = UᵀU`, row-major f32 `[K, K]`, of `H` permuted by `perm` and damped (the same
-/// identity as the CPU twin: one Cholesky of `J·H·J` and one triangular inverse, in f64). L⁻¹ is
-/// a recursive blocked inverse whose work is two triangular matrix products per level (K³/3 FLOP
-/// in all, against K³ for a triangular solve against I; docs/decisions.md, GPU factorization).
+/// identity as the CPU twin: one Cholesky of `J·H·J` and one triangular inverse, in f64, or in
+/// f32 with `--factor-precision f32`). L⁻¹ is a recursive blocked inverse whose work is two
+/// triangular matrix products per level (K³/3 FLOP in all, against K³ for a triangular solve
+/// against I; docs/decisions.md, GPU factorization).
+#[allow(clippy::too_many_arguments)]
 fn inverse_cholesky_upper(
     dev: &CudaDevice,
     h: &Tensor,
@@ -75,15 +87,20 @@ fn inverse_cholesky_upper(
     perm: &[usize],
     damp: f64,
     mean_diag: f64,
+    precision: FactorPrecision,
     module: &str,
 ) -> Result<(CudaSlice<f32>, f64)> {
+    let real = match precision {
+        FactorPrecision::F32 => Real::F32,
+        FactorPrecision::F64 | FactorPrecision::Auto => Real::F64,
+    };
     let stream = dev.cuda_stream();
     let solver = solver_handle(dev)?;
     let rev: Vec<i32> = perm.iter().rev().map(|&j| j as i32).collect();
     let rev_d = upload(&stream, &rev)?;
     let rev_p = slice_ptr(&rev_d, &stream);
     let hp = tensor_ptr(h)?;
-    let a: CudaSlice<f64> = unsafe { stream.alloc(k * k) }?;
+    let a: CudaSlice<u8> = unsafe { stream.alloc(k * k * real.bytes()) }?;
     let ap = slice_ptr(&a, &stream);
     let info: CudaSlice<i32> = stream.alloc_zeros(1)?;
     let info_p = slice_ptr(&info, &stream);
@@ -95,62 +112,89 @@ fn inverse_cholesky_upper(
     let mut lwork = 0i32;
     cusolver_ok(
         unsafe {
-            cusolver::cusolverDnDpotrf_bufferSize(
-                solver.cu(),
-                lower,
-                k as i32,
-                ap as *mut f64,
-                k as i32,
-                &mut lwork,
-            )
-        },
-        "potrf_bufferSize",
-    )?;
-    let work: CudaSlice<f64> = unsafe { stream.alloc(lwork.max(1) as usize) }?;
-    let work_p = slice_ptr(&work, &stream);
-    let inv: CudaSlice<f64> = unsafe { stream.alloc(k * k) }?;
-    let inv_p = slice_ptr(&inv, &stream);
-    let mut trace = Trace::new(&stream, k);
-    let mut damp = damp;
-    loop {
-        launch(
-            dev,
-            "gather_damped_f64",
-            launch_cfg((blocks(k, 256), k as u32, 1), (256, 1, 1)),
-            &[&hp, &rev_p, &ap, &(k as i32), &(damp * mean_diag)],
-        )?;
-        trace.lap("gather")?;
-        cusolver_ok(
-            unsafe {
-                cusolver::cusolverDnDpotrf(
+            match real {
+                Real::F64 => cusolver::cusolverDnDpotrf_bufferSize(
                     solver.cu(),
                     lower,
                     k as i32,
                     ap as *mut f64,
                     k as i32,
-                    work_p as *mut f64,
-                    lwork,
-                    info_p as *mut i32,
-                )
+                    &mut lwork,
+                ),
+                Real::F32 => cusolver::cusolverDnSpotrf_bufferSize(
+                    solver.cu(),
+                    lower,
+                    k as i32,
+                    ap as *mut f32,
+                    k as i32,
+                    &mut lwork,
+                ),
+            }
+        },
+        "potrf_bufferSize",
+    )?;
+    let work: CudaSlice<u8> = unsafe { stream.alloc(lwork.max(1) as usize * real.bytes()) }?;
+    let work_p = slice_ptr(&work, &stream);
+    let inv: CudaSlice<u8> = unsafe { stream.alloc(k * k * real.bytes()) }?;
+    let inv_p = slice_ptr(&inv, &stream);
+    let mut trace = Trace::new(&stream, k);
+    let mut damp = damp;
+    let grid = launch_cfg((blocks(k, 256), k as u32, 1), (256, 1, 1));
+    loop {
+        launch(
+            dev,
+            &format!("gather_damped_{}", real.suffix()),
+            grid,
+            &[&hp, &rev_p, &ap, &(k as i32), &(damp * mean_diag)],
+        )?;
+        trace.lap("gather")?;
+        cusolver_ok(
+            unsafe {
+                match real {
+                    Real::F64 => cusolver::cusolverDnDpotrf(
+                        solver.cu(),
+                        lower,
+                        k as i32,
+                        ap as *mut f64,
+                        k as i32,
+                        work_p as *mut f64,
+                        lwork,
+                        info_p as *mut i32,
+                    ),
+                    Real::F32 => cusolver::cusolverDnSpotrf(
+                        solver.cu(),
+                        lower,
+                        k as i32,
+                        ap as *mut f32,
+                        k as i32,
+                        work_p as *mut f32,
+                        lwork,
+                        info_p as *mut i32,
+                    ),
+                }
             },
             "potrf",
         )?;
         let ok = stream.clone_dtoh(&info)?[0] == 0;
         trace.lap("potrf")?;
         if ok {
-            // L⁻¹ into X (lower triangle; `reverse_upper_f32` reads only that). X starts as I.
+            // L⁻¹ into X (lower triangle; the reversal reads only that). X starts as I.
             launch(
                 dev,
-                "set_identity_f64",
-                launch_cfg((blocks(k, 256), k as u32, 1), (256, 1, 1)),
+                &format!("set_identity_{}", real.suffix()),
+                grid,
                 &[&inv_p, &(k as i32)],
             )?;
-            lower_inverse(dev, ap, inv_p, k)?;
+            lower_inverse(dev, ap, inv_p, k, real)?;
             trace.lap("recursive inverse")?;
             stream.memset_zeros(&mut bad)?;
+            let reverse = match real {
+                Real::F64 => "reverse_upper_f32",
+                Real::F32 => "reverse_upper_from_f32",
+            };
             launch(
                 dev,
-                "reverse_upper_f32",
+                reverse,
                 launch_cfg((blocks(k, 32), blocks(k, 32), 1), (32, 8, 1)),
                 &[&inv_p, &u_p, &(k as i32), &bad_p],
             )?;

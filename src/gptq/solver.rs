@@ -23,7 +23,7 @@ use rayon::prelude::*;
 
 use super::plan::{ParamsAt, SolvePlan};
 use super::quantizer::{dequantize_code, quantize_code, QuantParams};
-pub use crate::scheme::ActOrder;
+pub use crate::scheme::{ActOrder, FactorPrecision};
 
 #[derive(Clone, Debug)]
 pub struct SolveOptions {
@@ -35,6 +35,8 @@ pub struct SolveOptions {
     pub block_size: usize,
     /// The module's name, for error messages.
     pub module: String,
+    /// The factorization's precision (`F32` or `F64`; `Auto` is f64).
+    pub factor: FactorPrecision,
 }
 
 impl Default for SolveOptions {
@@ -45,6 +47,7 @@ impl Default for SolveOptions {
             damp: 0.01,
             block_size: 128,
             module: String::new(),
+            factor: FactorPrecision::F64,
         }
     }
 }
@@ -269,7 +272,8 @@ pub fn factorize(h: &Tensor, opts: &SolveOptions) -> Result<Factorization> {
     for &i in &dead {
         h[i * k + i] = 1.0;
     }
-    let (u, damp_used) = inverse_cholesky_upper(&h, k, &perm, opts.damp, &opts.module)?;
+    let (u, damp_used) =
+        inverse_cholesky_upper(&h, k, &perm, opts.damp, opts.factor, &opts.module)?;
     Ok(Factorization {
         k,
         dead,
@@ -576,23 +580,20 @@ fn inverse_cholesky_upper(
     k: usize,
     perm: &[usize],
     damp: f64,
+    precision: FactorPrecision,
     module: &str,
 ) -> Result<(Vec<f32>, f64)> {
     let mean_diag = (0..k).map(|i| h[i * k + i] as f64).sum::<f64>() / k as f64;
     let reversed: Vec<usize> = perm.iter().rev().copied().collect();
     let mut damp = damp;
     loop {
-        // Column-major f64 J·H[perm][:, perm]·J; reading row `reversed[j]` of the symmetric H for
-        // column j keeps the gather cache-friendly.
-        let mut a = vec![0.0f64; k * k];
-        a.par_chunks_mut(k).enumerate().for_each(|(j, col)| {
-            let h_row = &h[reversed[j] * k..(reversed[j] + 1) * k];
-            for (v, &pi) in col.iter_mut().zip(&reversed) {
-                *v = h_row[pi] as f64;
+        let u = match precision {
+            FactorPrecision::F32 => damped_factor::<f32>(h, k, &reversed, damp * mean_diag),
+            FactorPrecision::F64 | FactorPrecision::Auto => {
+                damped_factor::<f64>(h, k, &reversed, damp * mean_diag)
             }
-            col[j] += damp * mean_diag;
-        });
-        if let Some(u) = upper_inverse_factor(&mut a, k) {
+        };
+        if let Some(u) = u {
             return Ok((u, damp));
         }
         if damp >= 1.0 {
@@ -602,12 +603,54 @@ fn inverse_cholesky_upper(
     }
 }
 
+/// The reals the factorization runs in.
+trait FactorReal: faer::traits::RealField + Copy + Send + Sync {
+    fn from_f64(x: f64) -> Self;
+    fn to_f32(self) -> f32;
+}
+impl FactorReal for f64 {
+    fn from_f64(x: f64) -> Self {
+        x
+    }
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+}
+impl FactorReal for f32 {
+    fn from_f64(x: f64) -> Self {
+        x as f32
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+/// U of `J·H[perm][:, perm]·J + damp_add·I` in `T`, or None when it is not numerically positive
+/// definite. The gather reads row `reversed[j]` of the symmetric H for column j (column-major),
+/// which keeps it cache-friendly.
+fn damped_factor<T: FactorReal>(
+    h: &[f32],
+    k: usize,
+    reversed: &[usize],
+    damp_add: f64,
+) -> Option<Vec<f32>> {
+    let mut a = vec![T::from_f64(0.0); k * k];
+    a.par_chunks_mut(k).enumerate().for_each(|(j, col)| {
+        let h_row = &h[reversed[j] * k..(reversed[j] + 1) * k];
+        for (v, &pi) in col.iter_mut().zip(reversed) {
+            *v = T::from_f64(h_row[pi] as f64);
+        }
+        col[j] = T::from_f64(h_row[reversed[j]] as f64 + damp_add);
+    });
+    upper_inverse_factor(&mut a, k)
+}
+
 /// Factorizes `J·H·J` (column-major in `a`, destroyed) and returns U column-major f32, or None when
 /// H is not numerically positive definite.
-fn upper_inverse_factor(a: &mut [f64], k: usize) -> Option<Vec<f32>> {
+fn upper_inverse_factor<T: FactorReal>(a: &mut [T], k: usize) -> Option<Vec<f32>> {
     let par = Par::rayon(0);
     let mut a = MatMut::from_column_major_slice_mut(a, k, k);
-    let mut mem = MemBuffer::new(cholesky_in_place_scratch::<f64>(k, par, Default::default()));
+    let mut mem = MemBuffer::new(cholesky_in_place_scratch::<T>(k, par, Default::default()));
     cholesky_in_place(
         a.rb_mut(),
         Default::default(),
@@ -616,10 +659,13 @@ fn upper_inverse_factor(a: &mut [f64], k: usize) -> Option<Vec<f32>> {
         Default::default(),
     )
     .ok()?;
-    if (0..k).any(|i| !(a[(i, i)].is_finite() && a[(i, i)] > 0.0)) {
+    if (0..k).any(|i| {
+        let d = a[(i, i)].to_f32();
+        !(d.is_finite() && d > 0.0)
+    }) {
         return None;
     }
-    let mut l_inv = vec![0.0f64; k * k];
+    let mut l_inv = vec![T::from_f64(0.0); k * k];
     invert_lower_triangular(
         MatMut::from_column_major_slice_mut(&mut l_inv, k, k),
         a.rb(),
@@ -627,7 +673,7 @@ fn upper_inverse_factor(a: &mut [f64], k: usize) -> Option<Vec<f32>> {
     );
     // U = J·L⁻¹·J: the column-major storage reversed. The strictly lower triangle of U (upper of
     // L⁻¹) is never written by faer and stays 0.
-    let u: Vec<f32> = l_inv.par_iter().rev().map(|&v| v as f32).collect();
+    let u: Vec<f32> = l_inv.par_iter().rev().map(|&v| v.to_f32()).collect();
     all_finite(&u).then_some(u)
 }
 
@@ -754,7 +800,8 @@ mod tests {
         let h = hessian_of(&correlated_inputs(1024, k, 91));
         let hv = h.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let perm: Vec<usize> = (0..k).rev().step_by(2).chain((0..k).step_by(2)).collect();
-        let (u, damp) = inverse_cholesky_upper(&hv, k, &perm, 0.01, "m").unwrap();
+        let (u, damp) =
+            inverse_cholesky_upper(&hv, k, &perm, 0.01, FactorPrecision::F64, "m").unwrap();
         assert_eq!(damp, 0.01);
         let mean = (0..k).map(|i| hv[i * k + i] as f64).sum::<f64>() / k as f64;
         // U is upper triangular, column-major: U[r][c] = u[c·K + r].

@@ -627,18 +627,45 @@ impl<'a> Trace<'a> {
     }
 }
 
-/// X = L⁻¹ for the lower-triangular f64 `[K, K]` matrix at device address `l`, into `x`
-/// (column-major, X holding I on entry): [`lower_inverse_rec`] over the whole matrix.
-pub fn lower_inverse(dev: &CudaDevice, l: u64, x: u64, k: usize) -> Result<()> {
+/// The precision of a dense factorization on the GPU: f64, or f32 on cards whose FP64 rate is a
+/// small fraction of their FP32 rate (`--factor-precision`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Real {
+    F64,
+    F32,
+}
+
+impl Real {
+    pub fn bytes(self) -> usize {
+        match self {
+            Self::F64 => 8,
+            Self::F32 => 4,
+        }
+    }
+
+    /// The kernel-name suffix (`gather_damped_f64`, `set_identity_f32`).
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Self::F64 => "f64",
+            Self::F32 => "f32",
+        }
+    }
+}
+
+/// L⁻¹ of the lower-triangular `[k, k]` matrix at `l` (column-major, `real`) into `x`, which
+/// holds I on entry, on the device's cuBLAS handle: a recursive blocked inverse whose work is two
+/// triangular matrix products per level (K³/3 FLOP in all, against K³ for a triangular solve
+/// against I; docs/decisions.md, GPU factorization).
+pub fn lower_inverse(dev: &CudaDevice, l: u64, x: u64, k: usize, real: Real) -> Result<()> {
     let blas = dev.cublas_handle();
-    lower_inverse_rec(*blas.handle(), l, x, k, 0, k)
+    lower_inverse_rec(*blas.handle(), l, x, k, 0, k, real)
 }
 
 /// Diagonal blocks up to this size are inverted by a triangular solve against I.
 const INVERSE_LEAF: usize = 512;
 
 /// X[o..o+m, o..o+m] = L[o..o+m, o..o+m]⁻¹ by solving L·X = I in place (X holds I there).
-/// Column-major, leading dimension `k` for both; `l` and `x` are device addresses of f64.
+/// Column-major, leading dimension `k` for both; `l` and `x` are device addresses of `real`.
 fn trsm_identity(
     handle: cublas::cublasHandle_t,
     l: u64,
@@ -646,26 +673,70 @@ fn trsm_identity(
     k: usize,
     o: usize,
     m: usize,
+    real: Real,
 ) -> Result<()> {
-    let one = 1.0f64;
-    let at = |base: u64| base + ((o + o * k) * 8) as u64;
-    let status = unsafe {
-        cublas::cublasDtrsm_v2(
-            handle,
-            cublas::cublasSideMode_t::CUBLAS_SIDE_LEFT,
-            cublas::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER,
-            cublas::cublasOperation_t::CUBLAS_OP_N,
-            cublas::cublasDiagType_t::CUBLAS_DIAG_NON_UNIT,
-            m as i32,
-            m as i32,
-            &one,
-            at(l) as *const f64,
-            k as i32,
-            at(x) as *mut f64,
-            k as i32,
-        )
+    use cublas::{
+        cublasDiagType_t as D, cublasFillMode_t as F, cublasOperation_t as T,
+        cublasSideMode_t as S,
     };
-    cublas_ok(status, "Dtrsm (L⁻¹)")
+    let at = |base: u64| base + ((o + o * k) * real.bytes()) as u64;
+    let (side, fill, op, diag) = (
+        S::CUBLAS_SIDE_LEFT,
+        F::CUBLAS_FILL_MODE_LOWER,
+        T::CUBLAS_OP_N,
+        D::CUBLAS_DIAG_NON_UNIT,
+    );
+    let status = match real {
+        Real::F64 => unsafe {
+            cublas::cublasDtrsm_v2(
+                handle, side, fill, op, diag, m as i32, m as i32, &1.0f64,
+                at(l) as *const f64, k as i32, at(x) as *mut f64, k as i32,
+            )
+        },
+        Real::F32 => unsafe {
+            cublas::cublasStrsm_v2(
+                handle, side, fill, op, diag, m as i32, m as i32, &1.0f32,
+                at(l) as *const f32, k as i32, at(x) as *mut f32, k as i32,
+            )
+        },
+    };
+    cublas_ok(status, "trsm (L⁻¹)")
+}
+
+/// `C = alpha · op(A) · B` or `B · op(A)` with A lower triangular (cuBLAS `trmm`, out of place).
+#[allow(clippy::too_many_arguments)]
+fn trmm(
+    handle: cublas::cublasHandle_t,
+    side: cublas::cublasSideMode_t,
+    (m, n): (usize, usize),
+    alpha: f64,
+    a: u64,
+    b: u64,
+    c: u64,
+    ld: usize,
+    real: Real,
+) -> Result<()> {
+    use cublas::{cublasDiagType_t as D, cublasFillMode_t as F, cublasOperation_t as T};
+    let (fill, op, diag) = (
+        F::CUBLAS_FILL_MODE_LOWER,
+        T::CUBLAS_OP_N,
+        D::CUBLAS_DIAG_NON_UNIT,
+    );
+    let status = match real {
+        Real::F64 => unsafe {
+            cublas::cublasDtrmm_v2(
+                handle, side, fill, op, diag, m as i32, n as i32, &alpha, a as *const f64,
+                ld as i32, b as *const f64, ld as i32, c as *mut f64, ld as i32,
+            )
+        },
+        Real::F32 => unsafe {
+            cublas::cublasStrmm_v2(
+                handle, side, fill, op, diag, m as i32, n as i32, &(alpha as f32),
+                a as *const f32, ld as i32, b as *const f32, ld as i32, c as *mut f32, ld as i32,
+            )
+        },
+    };
+    cublas_ok(status, "trmm")
 }
 
 /// X[o..o+m, o..o+m] = L[o..o+m, o..o+m]⁻¹ for lower-triangular L, recursively: with
@@ -679,60 +750,23 @@ fn lower_inverse_rec(
     k: usize,
     o: usize,
     m: usize,
+    real: Real,
 ) -> Result<()> {
     if m <= INVERSE_LEAF {
-        return trsm_identity(handle, l, x, k, o, m);
+        return trsm_identity(handle, l, x, k, o, m, real);
     }
     let m1 = (m / 2).div_ceil(128) * 128;
     let m2 = m - m1;
-    lower_inverse_rec(handle, l, x, k, o, m1)?;
-    lower_inverse_rec(handle, l, x, k, o + m1, m2)?;
-    let at = |base: u64, r: usize, c: usize| base + ((r + c * k) * 8) as u64;
+    lower_inverse_rec(handle, l, x, k, o, m1, real)?;
+    lower_inverse_rec(handle, l, x, k, o + m1, m2, real)?;
+    let at = |base: u64, r: usize, c: usize| base + ((r + c * k) * real.bytes()) as u64;
     let (x11, x22, x21) = (at(x, o, o), at(x, o + m1, o + m1), at(x, o + m1, o));
     let l21 = at(l, o + m1, o);
-    let (one, minus) = (1.0f64, -1.0f64);
     use cublas::cublasSideMode_t as S;
-    use cublas::{cublasDiagType_t as D, cublasFillMode_t as F, cublasOperation_t as T};
     // X21 = L21 · X11 (X11 lower triangular, on the right).
-    let status = unsafe {
-        cublas::cublasDtrmm_v2(
-            handle,
-            S::CUBLAS_SIDE_RIGHT,
-            F::CUBLAS_FILL_MODE_LOWER,
-            T::CUBLAS_OP_N,
-            D::CUBLAS_DIAG_NON_UNIT,
-            m2 as i32,
-            m1 as i32,
-            &one,
-            x11 as *const f64,
-            k as i32,
-            l21 as *const f64,
-            k as i32,
-            x21 as *mut f64,
-            k as i32,
-        )
-    };
-    cublas_ok(status, "Dtrmm (L21·X11)")?;
+    trmm(handle, S::CUBLAS_SIDE_RIGHT, (m2, m1), 1.0, x11, l21, x21, k, real)?;
     // X21 = −X22 · X21 (X22 lower triangular, on the left; in place).
-    let status = unsafe {
-        cublas::cublasDtrmm_v2(
-            handle,
-            S::CUBLAS_SIDE_LEFT,
-            F::CUBLAS_FILL_MODE_LOWER,
-            T::CUBLAS_OP_N,
-            D::CUBLAS_DIAG_NON_UNIT,
-            m2 as i32,
-            m1 as i32,
-            &minus,
-            x22 as *const f64,
-            k as i32,
-            x21 as *const f64,
-            k as i32,
-            x21 as *mut f64,
-            k as i32,
-        )
-    };
-    cublas_ok(status, "Dtrmm (−X22·X21)")
+    trmm(handle, S::CUBLAS_SIDE_LEFT, (m2, m1), -1.0, x22, x21, x21, k, real)
 }
 
 /// GPTQ decode on the GPU: `W` `[N, K]` f32 with `W[n][k] = scale[g][n]·(code − zero)`,
@@ -948,6 +982,15 @@ pub fn memory_in_use(device: &Device) -> Result<u64> {
     let dev = cuda(device)?;
     let (free, total) = dev.cuda_stream().context().mem_get_info()?;
     Ok((total - free) as u64)
+}
+
+/// How many times the GPU's FP32 rate its FP64 rate is (2 on an H100, 64 on RTX and
+/// workstation Blackwell cards): the driver's `SINGLE_TO_DOUBLE_PRECISION_PERF_RATIO`.
+pub fn fp32_to_fp64_ratio(device: &Device) -> Result<i32> {
+    let dev = cuda(device)?;
+    Ok(dev.cuda_stream().context().attribute(
+        cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_SINGLE_TO_DOUBLE_PRECISION_PERF_RATIO,
+    )?)
 }
 
 /// Total GPU memory of `device`, in bytes.

@@ -1,8 +1,8 @@
 // CUDA kernels of soar-gptq (built to PTX by build.rs with the `cuda` feature).
 //
 // Each kernel has a CPU twin in the crate that the tests compare it with:
-//   gather_damped_f64   -> solver.rs inverse_cholesky_upper (J·H[perm][:,perm]·J + damping, f64)
-//   reverse_upper_f32   -> solver.rs upper_inverse_factor (U = J·L⁻¹·J, here row-major)
+//   gather_damped_f64/_f32 -> solver.rs damped_factor (J·H[perm][:,perm]·J + damping, f64 or f32)
+//   reverse_upper_f32/_from_f32 -> solver.rs upper_inverse_factor (U = J·L⁻¹·J, here row-major)
 //   find_params         -> quantizer.rs QuantParams::find_row_params
 //   find_params_tiled   -> the same (groups of up to 128 columns, staged in shared memory)
 //   mirror_upper_blocks -> gptq/hessian.rs (the full XᵀX of the CPU's f32 matmul)
@@ -33,8 +33,10 @@ __device__ __forceinline__ float dequantize_code(float code, float scale, float 
 
 // A[j*K + i] = H[rev[j]*K + rev[i]] (+ damp_add on the diagonal), as f64: the damped J·H·J of
 // the processing order, column-major (H is symmetric, so either order reads the same values).
-extern "C" __global__ void gather_damped_f64(const float* __restrict__ h, const int* __restrict__ rev,
-                                             double* __restrict__ a, int k, double damp_add) {
+template <typename T>
+__device__ __forceinline__ void gather_damped_impl(const float* __restrict__ h,
+                                                   const int* __restrict__ rev, T* __restrict__ a,
+                                                   int k, double damp_add) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     int j = blockIdx.y;
     if (i >= k) return;
@@ -44,22 +46,35 @@ extern "C" __global__ void gather_damped_f64(const float* __restrict__ h, const 
         if (v == 0.0) v = 1.0;  // a dead column (docs/algorithm.md, Preprocessing of H)
         v += damp_add;
     }
-    a[(size_t)j * k + i] = v;
+    a[(size_t)j * k + i] = (T)v;
 }
 
-// U (row-major f32, upper triangular) = J·L⁻¹·J from L⁻¹ (column-major f64, lower triangular):
-// U[r][c] = Linv[K-1-r][K-1-c] = linv[(K-1-c)*K + (K-1-r)] for r <= c, else 0. A 32x32 tile
-// transpose through shared memory keeps both sides coalesced. `bad` is set when a kept value
+extern "C" __global__ void gather_damped_f64(const float* __restrict__ h, const int* __restrict__ rev,
+                                             double* __restrict__ a, int k, double damp_add) {
+    gather_damped_impl<double>(h, rev, a, k, damp_add);
+}
+
+// The same in f32 (`--factor-precision f32`): the sum is formed in f64 and rounded once, as the
+// CPU twin does.
+extern "C" __global__ void gather_damped_f32(const float* __restrict__ h, const int* __restrict__ rev,
+                                             float* __restrict__ a, int k, double damp_add) {
+    gather_damped_impl<float>(h, rev, a, k, damp_add);
+}
+
+// U (row-major f32, upper triangular) = J·L⁻¹·J from L⁻¹ (column-major, lower triangular, f64 or
+// f32): U[r][c] = Linv[K-1-r][K-1-c] = linv[(K-1-c)*K + (K-1-r)] for r <= c, else 0. A 32x32
+// tile transpose through shared memory keeps both sides coalesced. `bad` is set when a kept value
 // is not finite or a diagonal is not positive.
-extern "C" __global__ void reverse_upper_f32(const double* __restrict__ linv, float* __restrict__ u,
-                                             int k, int* __restrict__ bad) {
-    __shared__ double tile[32][33];
+template <typename T>
+__device__ __forceinline__ void reverse_upper_impl(const T* __restrict__ linv, float* __restrict__ u,
+                                                   int k, int* __restrict__ bad) {
+    __shared__ T tile[32][33];
     int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
     int tx = threadIdx.x, ty = threadIdx.y;  // blockDim = (32, 8)
     // Load: for output (r, c) we need linv[(K-1-c)*K + (K-1-r)]; read with r varying fastest.
     for (int dy = ty; dy < 32; dy += 8) {
         int c = c0 + dy, r = r0 + tx;
-        double v = 0.0;
+        T v = 0;
         if (r < k && c < k && r <= c) v = linv[(size_t)(k - 1 - c) * k + (k - 1 - r)];
         tile[dy][tx] = v;
     }
@@ -67,13 +82,24 @@ extern "C" __global__ void reverse_upper_f32(const double* __restrict__ linv, fl
     for (int dy = ty; dy < 32; dy += 8) {
         int r = r0 + dy, c = c0 + tx;
         if (r < k && c < k) {
-            double v = tile[tx][dy];
+            T v = tile[tx][dy];
             if (r <= c) {
-                if (!isfinite(v) || (r == c && !(v > 0.0))) atomicOr(bad, 1);
+                if (!isfinite(v) || (r == c && !(v > (T)0))) atomicOr(bad, 1);
             }
             u[(size_t)r * k + c] = (float)v;
         }
     }
+}
+
+extern "C" __global__ void reverse_upper_f32(const double* __restrict__ linv, float* __restrict__ u,
+                                             int k, int* __restrict__ bad) {
+    reverse_upper_impl<double>(linv, u, k, bad);
+}
+
+extern "C" __global__ void reverse_upper_from_f32(const float* __restrict__ linv,
+                                                  float* __restrict__ u, int k,
+                                                  int* __restrict__ bad) {
+    reverse_upper_impl<float>(linv, u, k, bad);
 }
 
 // Scale and zero per (row, group): group t covers columns [col0 + t*g, min(col0 + (t+1)*g, col_end))
@@ -383,6 +409,12 @@ extern "C" __global__ void set_identity_f64(double* __restrict__ x, int k) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     int j = blockIdx.y;
     if (i < k) x[(size_t)j * k + i] = i == j ? 1.0 : 0.0;
+}
+
+extern "C" __global__ void set_identity_f32(float* __restrict__ x, int k) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    int j = blockIdx.y;
+    if (i < k) x[(size_t)j * k + i] = i == j ? 1.0f : 0.0f;
 }
 
 // count[0] += the number of NaN or ±Inf elements of x (grid-stride).

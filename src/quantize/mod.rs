@@ -91,6 +91,9 @@ pub struct QuantizeOptions {
     pub gptaq_alpha: f64,
     /// Calibration windows per forward batch.
     pub batch: usize,
+    /// The Hessians' factorization precision (`--factor-precision`; `Auto` is resolved for the
+    /// device by [`resolve_factor_precision`] before the run).
+    pub factor_precision: crate::scheme::FactorPrecision,
     /// Caps on the GPU memory and the host memory (GB) the activations may use
     /// (`--max-gpu-memory`, `--max-host-memory`; docs/algorithm.md, Streaming the calibration).
     pub max_gpu_memory: Option<f64>,
@@ -129,6 +132,8 @@ pub struct Settings {
     pub act_order: ActOrder,
     pub sym: bool,
     pub damp: f64,
+    /// f64 or f32 (`--factor-precision`, resolved for the device).
+    pub factor_precision: crate::scheme::FactorPrecision,
     pub mse: bool,
     /// Least-squares scale refit after the solve (`--refit`).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
@@ -318,6 +323,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         act_order: opts.act_order,
         sym: opts.sym,
         damp: opts.damp,
+        factor_precision: opts.factor_precision,
         mse: opts.mse,
         refit: opts.refit,
         true_sequential: opts.true_sequential,
@@ -692,6 +698,30 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     Ok(report)
 }
 
+/// `--factor-precision auto` for `device`: f64 on the CPU and on GPUs whose FP64 rate is at
+/// least 1/8 of their FP32 rate (A100, H100, H200, B200), f32 on the others (RTX, L40S,
+/// workstation Blackwell cards: 1/32 to 1/64), where the f64 factorizations of a 9.5B model
+/// would take minutes.
+pub fn resolve_factor_precision(
+    p: crate::scheme::FactorPrecision,
+    device: &Device,
+) -> Result<crate::scheme::FactorPrecision> {
+    use crate::scheme::FactorPrecision as F;
+    if p != F::Auto {
+        return Ok(p);
+    }
+    if device.is_cpu() {
+        return Ok(F::F64);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let ratio = crate::kernels::cuda::fp32_to_fp64_ratio(device)?;
+        Ok(if ratio > 8 { F::F32 } else { F::F64 })
+    }
+    #[cfg(not(feature = "cuda"))]
+    Ok(F::F64)
+}
+
 /// Where the run keeps its activations, from the preflight's estimate and the memory the
 /// device (and on a GPU, the host) offers; refused when not even one layer and one batch fit.
 fn memory_plan(p: &Preflight, opts: &QuantizeOptions) -> Result<stages::MemoryPlan> {
@@ -774,6 +804,9 @@ fn quantization_config(
     }
     if opts.refit {
         meta["refit"] = serde_json::json!(true);
+    }
+    if s.factor_precision == crate::scheme::FactorPrecision::F32 {
+        meta["factor_precision"] = serde_json::json!("f32");
     }
     // transformers ignores `dynamic`: it needs the quantized modules listed.
     let modules_in_block_to_quantize = (opts.engine == Some(Engine::Transformers)

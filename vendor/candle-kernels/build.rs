@@ -10,12 +10,20 @@ const CUTILE_FEATURE: &str = "CARGO_FEATURE_CUTILE";
 /// on threads: ptxas of the largest modules takes seconds each.
 fn fatbins(out_dir: &std::path::Path, ptx_rs: &std::path::Path, archs: &[u32]) -> Result<()> {
     let nvcc = cudaforge::CudaToolkit::detect()?.nvcc_path;
-    // soar-gptq: SASS for every target architecture from the PTX (built for the lowest), and
-    // the PTX itself for GPUs none of them fits.
-    let lowest = *archs.iter().min().expect("at least one architecture");
-    let mut codes: Vec<String> = archs.iter().map(|a| format!("sm_{a}")).collect();
-    codes.push(format!("compute_{lowest}"));
-    let gencode = format!("-gencode=arch=compute_{lowest},code=[{}]", codes.join(","));
+    // soar-gptq: SASS for every target architecture from the PTX, and the PTX itself for GPUs
+    // none of them fits. One architecture: its own (cudaforge's arch-specific `sm_90a` for
+    // Hopper, as before); several: the PTX is built for the lowest without an arch-specific
+    // suffix (see `main`), and ptxas makes each SASS from it.
+    let gencode = if archs.len() == 1 {
+        let sm = cudaforge::detect_compute_cap()?.to_nvcc_arch(); // e.g. sm_90a
+        let compute = sm.replacen("sm_", "compute_", 1);
+        format!("-gencode=arch={compute},code=[{sm},{compute}]")
+    } else {
+        let ptx = ptx_arch(archs);
+        let mut codes: Vec<String> = archs.iter().map(|a| format!("sm_{a}")).collect();
+        codes.push(format!("compute_{ptx}"));
+        format!("-gencode=arch=compute_{ptx},code=[{}]", codes.join(","))
+    };
     let text = std::fs::read_to_string(ptx_rs)?;
     let mut names = Vec::new();
     for line in text.lines() {
@@ -71,6 +79,12 @@ fn fatbins(out_dir: &std::path::Path, ptx_rs: &std::path::Path, archs: &[u32]) -
 /// no GPU (the root crate's build.rs has the same list and rule).
 const ALL_ARCHS: &[u32] = &[80, 86, 89, 90, 100, 120];
 
+/// soar-gptq: the PTX architecture of a build for several: the lowest, at most 89 (the last
+/// without an arch-specific suffix in cudaforge).
+fn ptx_arch(archs: &[u32]) -> u32 {
+    archs.iter().copied().min().expect("at least one architecture").min(89)
+}
+
 /// soar-gptq: `CUDA_COMPUTE_CAP` (one, or a comma-separated list), else the local GPU's
 /// (nvidia-smi), else [`ALL_ARCHS`].
 fn target_archs() -> Vec<u32> {
@@ -108,10 +122,15 @@ fn target_archs() -> Vec<u32> {
 fn main() -> Result<()> {
     println!("cargo::rerun-if-changed=build.rs");
     println!("cargo::rerun-if-env-changed=CUDA_COMPUTE_CAP");
-    // soar-gptq: the PTX (and cudaforge's other steps) for the lowest target architecture.
+    // soar-gptq: the PTX (and cudaforge's other steps) for the target architecture, or for
+    // several the lowest one without an arch-specific suffix (cudaforge gives 90 and later an
+    // `a` suffix, whose PTX compiles for that one architecture only).
     let archs = target_archs();
-    let lowest = *archs.iter().min().expect("at least one architecture");
-    env::set_var("CUDA_COMPUTE_CAP", lowest.to_string());
+    if archs.len() > 1 {
+        env::set_var("CUDA_COMPUTE_CAP", ptx_arch(&archs).to_string());
+    } else {
+        env::set_var("CUDA_COMPUTE_CAP", archs[0].to_string());
+    }
     println!("cargo::rerun-if-changed=src");
     println!("cargo::rerun-if-changed=src/compatibility.cuh");
     println!("cargo::rerun-if-changed=src/cuda_utils.cuh");

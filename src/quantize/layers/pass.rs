@@ -516,6 +516,7 @@ impl<'r, 's> Pass<'r, 's> {
             damp: opts.damp,
             block_size: 128,
             module: full.clone(),
+            factor: self.run.opts.factor_precision,
         };
         if opts.method.uses_hessians() && !subset.factors.contains_key(&g) {
             let fopts = SolveOptions {

@@ -12,6 +12,8 @@
 
 pub mod config;
 pub mod loader;
+#[cfg(test)]
+mod testkit;
 
 use crate::checkpoint::{Checkpoint, Dtype};
 use crate::format::quantized::{dynamic_key_order, QuantInfo};
@@ -643,5 +645,394 @@ pub fn serve_command(engine: Engine, sala: bool, remote_code: bool, dir: &str) -
                 ""
             }
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testkit::*;
+    use super::Engine::{Sglang, Transformers, Vllm};
+    use crate::checkpoint::Dtype;
+    use serde_json::json;
+
+    fn row(
+        name: &'static str,
+        engine: super::Engine,
+        base: fn() -> super::FolderView,
+        edit: fn(&mut super::FolderView),
+        loads: bool,
+        place: In,
+        fragment: &'static str,
+    ) -> Row {
+        Row {
+            name,
+            engine,
+            base,
+            edit,
+            legacy_marlin: false,
+            loads,
+            place,
+            fragment,
+        }
+    }
+
+    /// A Llama whose `hidden_size` (192) is no multiple of 128: beyond gptq_marlin's shapes.
+    fn llama_odd() -> super::FolderView {
+        let mut c = llama_config();
+        c["hidden_size"] = json!(192);
+        c["num_attention_heads"] = json!(3);
+        c["num_key_value_heads"] = json!(1);
+        quantized(c, json!({}))
+    }
+
+    /// MiniCPM-SALA with `intermediate_size` 704: `down_proj`'s in_features are no multiple of
+    /// 128.
+    fn sala_odd() -> super::FolderView {
+        let mut c = sala_config();
+        c["intermediate_size"] = json!(704);
+        quantized(c, json!({}))
+    }
+
+    /// MiniCPM-SALA after pack-marlin (`B`/`s` tiles, checkpoint_format marlin).
+    fn sala_marlin() -> super::FolderView {
+        quantized(sala_config(), json!({"checkpoint_format": "marlin"}))
+    }
+
+    /// The Llama with `self_attn.o_proj` kept in 16 bits by a `-:` rule.
+    fn llama_skip_o() -> super::FolderView {
+        quantized(
+            llama_config(),
+            json!({"dynamic": {r"-:.*self_attn\.o_proj": {}}}),
+        )
+    }
+
+    /// The Llama with `-:` on layer 0's `k_proj` alone (a fused group split).
+    fn llama_skip_k() -> super::FolderView {
+        quantized(
+            llama_config(),
+            json!({"dynamic": {r"-:model\.layers\.0\.self_attn\.k_proj": {}}}),
+        )
+    }
+
+    /// The Llama with layer 0's `down_proj` at 3 bits by a `+:` rule.
+    fn llama_plus3() -> super::FolderView {
+        quantized(
+            llama_config(),
+            json!({"dynamic": {r"+:model\.layers\.0\.mlp\.down_proj": {"bits": 3}}}),
+        )
+    }
+
+    #[test]
+    fn every_finding() {
+        let rows = vec![
+            row("good SALA", Sglang, sala, keep, true, In::Linears, "20 gptq_marlin"),
+            row("good SALA", Sglang, sala, keep, true, In::Note, "gptq_marlin repacks"),
+            row(
+                "good SALA",
+                Sglang,
+                sala,
+                keep,
+                true,
+                In::Serve,
+                "--trust-remote-code --dtype bfloat16 --disable-radix-cache",
+            ),
+            row("good Llama", Sglang, llama, keep, true, In::Serve, "sglang.launch_server --model-path the folder"),
+            row("good Llama", Vllm, llama, keep, true, In::Serve, "vllm serve the folder"),
+            row("good Llama", Transformers, llama, keep, true, In::Serve, "from_pretrained('the folder', device_map='auto')"),
+            row("transformers note", Transformers, llama, keep, true, In::Note, "pip install optimum gptqmodel"),
+            row("BF16 Llama", Vllm, || folder(llama_config()), keep, true, In::Linears, "8 unquantized"),
+            // Before the module set.
+            row("no config.json", Sglang, sala, |v| v.config = serde_json::Value::Null, false, In::Problem, "has no config.json"),
+            row("vLLM has no MiniCPM-SALA", Vllm, sala, keep, false, In::Problem, "no MiniCPM-SALA implementation"),
+            // Config rules.
+            row("derived key", Sglang, sala, |v| v.config["has_sparse_attention"] = json!(true), false, In::Problem, "can't set attribute"),
+            row(
+                "derived key (not SGLang)",
+                Transformers,
+                sala,
+                |v| {
+                    with_remote_code(v);
+                    v.config["sparse_layer_ids"] = json!([0]);
+                },
+                true,
+                In::Warning,
+                "[\"sparse_layer_ids\"], which SGLang's MiniCPMHybridConfig",
+            ),
+            row("AutoConfig over SGLang's own class", Sglang, sala, with_remote_code, false, In::Problem, "auto_map has AutoConfig"),
+            row(
+                "code in another repo",
+                Sglang,
+                llama,
+                |v| v.config["auto_map"] = json!({"AutoModelForCausalLM": "org/repo--m.M"}),
+                true,
+                In::Note,
+                "code from another hub repo",
+            ),
+            row(
+                "remote code missing",
+                Transformers,
+                sala,
+                |v| {
+                    with_remote_code(v);
+                    v.files.remove("modeling_minicpm_sala.py");
+                },
+                false,
+                In::Problem,
+                "modeling_minicpm_sala.py is missing (needed by config.json auto_map.AutoModelForCausalLM)",
+            ),
+            row(
+                "relative import missing",
+                Transformers,
+                sala,
+                |v| {
+                    with_remote_code(v);
+                    v.texts.insert("modeling_minicpm_sala.py".into(), "from .utils import x\n".into());
+                },
+                false,
+                In::Problem,
+                "utils.py is missing (needed by a relative import in modeling_minicpm_sala.py)",
+            ),
+            row(
+                "model code missing (not transformers)",
+                Sglang,
+                llama,
+                |v| v.config["auto_map"] = json!({"AutoModelForCausalLM": "m.M"}),
+                true,
+                In::Warning,
+                "m.py is missing",
+            ),
+            row(
+                "config code missing",
+                Sglang,
+                llama,
+                |v| v.config["auto_map"] = json!({"AutoConfig": "c.C"}),
+                false,
+                In::Problem,
+                "c.py is missing (needed by config.json auto_map.AutoConfig)",
+            ),
+            row(
+                "tokenizer code missing",
+                Vllm,
+                llama,
+                |v| v.tokenizer_config = Some(json!({"auto_map": {"AutoTokenizer": ["t.T", null]}})),
+                false,
+                In::Problem,
+                "t.py is missing (needed by tokenizer_config.json auto_map.AutoTokenizer)",
+            ),
+            row("no model code", Transformers, sala, keep, false, In::Problem, "has no built-in MiniCPMSALAForCausalLM and config.json's auto_map lacks AutoConfig"),
+            row(
+                "no AutoModelForCausalLM",
+                Transformers,
+                sala,
+                |v| {
+                    with_remote_code(v);
+                    v.config["auto_map"].as_object_mut().unwrap().remove("AutoModelForCausalLM");
+                },
+                false,
+                In::Problem,
+                "auto_map lacks AutoModelForCausalLM",
+            ),
+            row("SALA with remote code", Transformers, sala, with_remote_code, true, In::Linears, "32 gptqmodel"),
+            row(
+                "unsupported architecture",
+                Sglang,
+                llama,
+                |v| v.config["architectures"] = json!(["GPT2LMHeadModel"]),
+                false,
+                In::Problem,
+                "cannot be read as a supported architecture",
+            ),
+            row(
+                "unreadable settings",
+                Sglang,
+                llama,
+                |v| qc(v)["bits"] = json!("four"),
+                false,
+                In::Problem,
+                "the quantization settings cannot be read",
+            ),
+            row(
+                "integer tensors, no settings",
+                Sglang,
+                llama,
+                |v| {
+                    v.config.as_object_mut().unwrap().remove("quantization_config");
+                },
+                false,
+                In::Problem,
+                "config.json has no quantization_config",
+            ),
+            // dtype.
+            row("SALA float16", Sglang, sala, |v| v.config["dtype"] = json!("float16"), false, In::Problem, "dtype is float16: SGLang serves those activations"),
+            row("SALA float32", Sglang, sala, |v| v.config["dtype"] = json!("float32"), false, In::Problem, "dtype is float32: SGLang serves float16 (SGLang's --dtype auto"),
+            row(
+                "SALA without dtype",
+                Sglang,
+                sala,
+                |v| {
+                    v.config.as_object_mut().unwrap().remove("dtype");
+                },
+                false,
+                In::Problem,
+                "dtype is absent (torch_dtype/dtype)",
+            ),
+            row("SALA torch_dtype", Sglang, sala, |v| {
+                let o = v.config.as_object_mut().unwrap();
+                o.remove("dtype");
+                o.insert("torch_dtype".into(), json!("bfloat16"));
+            }, true, In::Linears, "20 gptq_marlin"),
+            row("SALA 3-bit (plain gptq, BF16)", Sglang, || quantized(sala_config(), json!({"bits": 3})), keep, false, In::Problem, "float16 activations only"),
+            row("Llama 3-bit (plain gptq, BF16)", Sglang, || quantized(llama_config(), json!({"bits": 3})), keep, true, In::Warning, "serve with --dtype float16"),
+            row("Llama 3-bit (plain gptq, BF16)", Sglang, || quantized(llama_config(), json!({"bits": 3})), keep, true, In::Serve, "--model-path the folder --dtype float16"),
+            // Shapes.
+            row("SALA beyond Marlin shapes", Sglang, sala_odd, keep, false, In::Problem, "exceed the Marlin kernels' shape limits"),
+            row("SALA beyond Marlin shapes", Sglang, sala_odd, keep, false, In::Problem, "in_features 704 is not a multiple of 128, in_features 704 is not a multiple of the group size"),
+            row("Llama beyond Marlin shapes", Sglang, llama_odd, keep, true, In::Warning, "serve with --quantization gptq --dtype float16"),
+            row("Llama beyond Marlin shapes", Sglang, llama_odd, keep, true, In::Serve, "--model-path the folder --quantization gptq --dtype float16"),
+            row("Llama beyond Marlin shapes", Vllm, llama_odd, keep, false, In::Problem, "vLLM may find another kernel"),
+            // SGLang's method.
+            row("no quant_method", Sglang, || quantized(llama_config(), json!({"quant_method": null})), keep, true, In::Warning, "SGLang does not select gptq_marlin: quant_method is \"(missing)\""),
+            row("a key missing", Sglang, || quantized(llama_config(), json!({"sym": null, "desc_act": null})), keep, true, In::Warning, "sym, desc_act missing from the quantization settings"),
+            row("asymmetric", Sglang, || quantized(llama_config(), json!({"sym": false})), keep, true, In::Warning, "4-bit asymmetric (gptq_marlin takes 4 or 8 bits, symmetric)"),
+            row("group 256", Sglang, || quantized(llama_config(), json!({"group_size": 256})), keep, true, In::Warning, "group_size 256 (gptq_marlin takes -1, 32, 64, 128)"),
+            row("plain gptq", Sglang, || quantized(llama_config(), json!({"sym": false})), keep, true, In::Linears, "8 gptq"),
+            // The Marlin format.
+            row("Marlin format", Sglang, sala_marlin, keep, false, In::Problem, "no current SGLang release reads it"),
+            Row { legacy_marlin: true, ..row("Marlin format, legacy release", Sglang, sala_marlin, keep, true, In::Linears, "20 marlin") },
+            Row { legacy_marlin: true, ..row("Marlin format, legacy release", Sglang, sala_marlin, keep, true, In::Note, "exists only in vLLM ≤ 0.10.1.1") },
+            Row { legacy_marlin: true, ..row("legacy marlin, group 64", Sglang, || quantized(sala_config(), json!({"checkpoint_format": "marlin", "group_size": 64})), keep, false, In::Problem, "group size 64; the legacy marlin method takes 128 or -1") },
+            Row { legacy_marlin: true, ..row("legacy marlin, desc_act", Sglang, || quantized(sala_config(), json!({"checkpoint_format": "marlin", "desc_act": true})), keep, false, In::Problem, "the legacy marlin method has no act-order") },
+            Row { legacy_marlin: true, ..row("legacy marlin, skipped modules", Sglang, || quantized(llama_config(), json!({"checkpoint_format": "marlin", "dynamic": {r"-:.*self_attn\.o_proj": {}}})), keep, true, In::Warning, "applies no per-module rules") },
+            row("Marlin label over GPTQ tensors", Sglang, sala, |v| qc(v)["checkpoint_format"] = json!("marlin"), false, In::Problem, "the label is wrong. No current SGLang release"),
+            Row { legacy_marlin: true, ..row("Marlin label over GPTQ tensors, legacy release", Sglang, sala, |v| qc(v)["checkpoint_format"] = json!("marlin"), false, In::Linears, "20 marlin") },
+            row("Marlin label over GPTQ tensors", Vllm, llama, |v| qc(v)["checkpoint_format"] = json!("marlin"), false, In::Problem, "vLLM ignores checkpoint_format and reads the qweight/scales"),
+            row("Marlin format", Vllm, || quantized(llama_config(), json!({"checkpoint_format": "marlin"})), keep, false, In::Problem, "vLLM removed the legacy marlin method"),
+            row("Marlin format", Transformers, || quantized(llama_config(), json!({"checkpoint_format": "marlin"})), keep, false, In::Problem, "GPTQModel, which refuses the legacy Marlin format"),
+            // vLLM's method.
+            row("vLLM 3-bit", Vllm, || quantized(llama_config(), json!({"bits": 3})), keep, false, In::Problem, "auto_gptq) takes 4- or 8-bit symmetric checkpoints with group size -1, 32, 64 or 128 and all of bits, group_size, sym, desc_act present; this one has 3-bit symmetric"),
+            row("vLLM desc_act", Vllm, || quantized(llama_config(), json!({"desc_act": true})), keep, false, In::Problem, "vLLM ≥ 0.30 refuses group activation ordering"),
+            row("vLLM desc_act, one group", Vllm, || quantized(llama_config(), json!({"desc_act": true, "group_size": -1})), keep, true, In::Linears, "8 auto_gptq"),
+            row("vLLM lm_head", Vllm, llama, |v| qc(v)["lm_head"] = json!(true), false, In::MissingTensors, "lm_head.qweight"),
+            row(
+                "vLLM lm_head",
+                Vllm,
+                llama,
+                |v| {
+                    qc(v)["lm_head"] = json!(true);
+                    v.tensors.remove("lm_head.weight");
+                    put(v, "lm_head.qweight", Dtype::I32, &[32, 4096]);
+                    put(v, "lm_head.qzeros", Dtype::I32, &[2, 512]);
+                    put(v, "lm_head.scales", Dtype::F16, &[2, 4096]);
+                },
+                true,
+                In::Linears,
+                "8 auto_gptq",
+            ),
+            row("lm_head quantized for SGLang", Sglang, llama, |v| {
+                qc(v)["lm_head"] = json!(true);
+                put(v, "lm_head.qweight", Dtype::I32, &[32, 4096]);
+            }, false, In::UnusedTensors, "lm_head.qweight"),
+            // transformers' method.
+            row("transformers 5-bit", Transformers, || quantized(llama_config(), json!({"bits": 5})), keep, false, In::Problem, "bits is 5: transformers' GPTQConfig takes 2, 3, 4 or 8"),
+            row("transformers 3-bit", Transformers, || quantized(llama_config(), json!({"bits": 3})), keep, true, In::Linears, "14 gptqmodel"),
+            row("transformers +: rule", Transformers, llama_plus3, keep, false, In::Problem, "set per-module bits or group sizes, but transformers ignores `dynamic`"),
+            row("transformers -: rule without a list", Transformers, llama_skip_o, keep, false, In::Problem, "without modules_in_block_to_quantize"),
+            row(
+                "transformers -: rule with a list",
+                Transformers,
+                llama_skip_o,
+                |v| qc(v)["modules_in_block_to_quantize"] = json!([["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]]),
+                true,
+                In::Linears,
+                "12 gptqmodel, 2 unquantized",
+            ),
+            // dynamic rules.
+            row("-: rule", Sglang, llama_skip_o, keep, true, In::Linears, "6 gptq_marlin, 2 unquantized"),
+            row("-: rule", Vllm, llama_skip_o, keep, true, In::Linears, "6 auto_gptq, 2 unquantized"),
+            row("+: rule to 3 bits", Sglang, llama_plus3, keep, false, In::Problem, "gives model.layers.0.mlp.down_proj 3-bit sym group 128, which gptq_marlin cannot run"),
+            row("+: rule to 3 bits", Vllm, llama_plus3, keep, false, In::Problem, "which auto_gptq cannot run"),
+            row("+: rule to group 64", Sglang, || quantized(llama_config(), json!({"dynamic": {r"+:model\.layers\.0\.mlp\.down_proj": {"group_size": 64}}})), keep, true, In::Linears, "8 gptq_marlin"),
+            row("a rule on a member name", Sglang, llama_skip_k, keep, false, In::MissingTensors, "model.layers.0.self_attn.k_proj.qweight"),
+            row("a rule on a member name", Sglang, llama_skip_k, keep, false, In::Problem, "KeyError on the first one it does not build): model.layers.0.self_attn.k_proj.weight"),
+            row("a fused group split", Vllm, llama_skip_k, keep, false, In::Problem, "model.layers.0.self_attn.qkv_proj: some but not all of model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, model.layers.0.self_attn.v_proj are quantized"),
+            row(
+                "o_gate kept BF16 without a rule",
+                Sglang,
+                || quantized(sala_config(), json!({"dynamic": {r"-:.*self_attn\.o_gate": {}}})),
+                |v| qc(v)["dynamic"] = json!({}),
+                false,
+                In::Problem,
+                "model.layers.0.self_attn.o_gate.qweight",
+            ),
+            row(
+                "o_gate kept BF16 without a rule",
+                Sglang,
+                || quantized(sala_config(), json!({"dynamic": {r"-:.*self_attn\.o_gate": {}}})),
+                |v| qc(v)["dynamic"] = json!({}),
+                false,
+                In::Problem,
+                "KeyError",
+            ),
+            row(
+                "a layer kept BF16 without a rule (vLLM scans the shards)",
+                Vllm,
+                || quantized(llama_config(), json!({"dynamic": {r"-:model\.layers\.0\.self_attn\.o_proj": {}}})),
+                |v| qc(v)["dynamic"] = json!({}),
+                true,
+                In::Linears,
+                "7 auto_gptq, 1 unquantized",
+            ),
+            row(
+                "the first rule in file order wins",
+                Sglang,
+                llama_skip_o,
+                |v| {
+                    qc(v)["dynamic"][r"+:.*"] = json!({"bits": 4});
+                    v.dynamic_order = vec![r"-:.*self_attn\.o_proj".into(), r"+:.*".into()];
+                },
+                true,
+                In::Linears,
+                "6 gptq_marlin, 2 unquantized",
+            ),
+            // The tensors.
+            row("a tensor missing", Sglang, llama, |v| {
+                v.tensors.remove("model.layers.1.mlp.up_proj.scales");
+            }, false, In::Problem, "1 tensor(s) that SGLang would load are not in the shards, so those parameters stay uninitialized (garbage output): model.layers.1.mlp.up_proj.scales"),
+            row("g_idx with desc_act", Transformers, || quantized(llama_config(), json!({"desc_act": true})), |v| {
+                v.tensors.remove("model.layers.0.mlp.up_proj.g_idx");
+            }, false, In::MissingTensors, "model.layers.0.mlp.up_proj.g_idx"),
+            row("g_idx without desc_act", Sglang, llama, |v| {
+                v.tensors.remove("model.layers.0.mlp.up_proj.g_idx");
+            }, true, In::Linears, "8 gptq_marlin"),
+            row("a shape that does not fit", Sglang, llama, |v| {
+                put(v, "model.layers.0.mlp.up_proj.scales", Dtype::F16, &[4, 512]);
+            }, false, In::Problem, "model.layers.0.mlp.up_proj.scales is F16 [4, 512], the engine's parameter is BF16/F16/F32 [2, 512]"),
+            row("a dtype that does not fit", Vllm, llama, |v| {
+                put(v, "model.layers.0.mlp.up_proj.qweight", Dtype::F16, &[32, 512]);
+            }, false, In::Problem, "do not fit the parameter the engine builds"),
+            row("an extra tensor", Sglang, llama, |v| put(v, "model.extra", Dtype::BF16, &[4]), false, In::Problem, "1 tensor(s) in the shards match no parameter the engine builds (SGLang's load_weights"),
+            row("an extra tensor", Vllm, llama, |v| put(v, "model.extra", Dtype::BF16, &[4]), false, In::Problem, "There is no module or parameter named"),
+            row("an extra tensor", Transformers, llama, |v| put(v, "model.extra", Dtype::BF16, &[4]), true, In::Warning, "\"unexpected keys\" warning"),
+            row("rotary buffers", Transformers, llama, |v| put(v, "model.layers.0.self_attn.rotary_emb.inv_freq", Dtype::F32, &[32]), true, In::Linears, "14 gptqmodel"),
+            row("a stray bias", Sglang, llama, |v| put(v, "model.layers.0.self_attn.o_proj.bias", Dtype::BF16, &[256]), true, In::Linears, "8 gptq_marlin"),
+            row("a stray bias", Transformers, llama, |v| put(v, "model.layers.0.self_attn.o_proj.bias", Dtype::BF16, &[256]), true, In::UnusedTensors, "model.layers.0.self_attn.o_proj.bias"),
+            row("a stray g_idx", Vllm, llama, |v| put(v, "model.layers.0.self_attn.rot.g_idx", Dtype::I32, &[256]), true, In::Linears, "8 auto_gptq"),
+            row(
+                "a Linear's bias",
+                Vllm,
+                || {
+                    let mut c = llama_config();
+                    c["attention_bias"] = json!(true);
+                    quantized(c, json!({}))
+                },
+                |v| {
+                    v.tensors.remove("model.layers.1.self_attn.o_proj.bias");
+                },
+                false,
+                In::MissingTensors,
+                "model.layers.1.self_attn.o_proj.bias",
+            ),
+        ];
+        run(&rows);
     }
 }

@@ -1,6 +1,7 @@
 //! What the engines require of `config.json` and the files beside it: remote code named by
 //! `auto_map`, config keys that the engines' own config classes derive (and refuse to be given),
-//! and the dtype key. Also the one place that rewrites a source config for an engine
+//! and the dtype key; the rules that check them ([`check_config`], [`sala_dtype`]), each engine's
+//! part read from its `Rules`. Also the one place that rewrites a source config for an engine
 //! ([`engine_config`]), so that the writer and the check agree by construction.
 //!
 //! Facts (docs/engines.md has the sources): SGLang registers
@@ -8,8 +9,13 @@
 //! on it, so a config.json that carries one of their names fails in `AutoConfig.from_pretrained`
 //! ("can't set attribute"). transformers ≥ 4.56 writes `dtype` and still reads `torch_dtype`.
 
-use super::Engine;
+use super::rules::Rules;
+use super::{Engine, Findings, FolderView};
+use crate::source::remote_code;
 use serde_json::Value;
+
+/// MiniCPM-SALA's architecture name.
+pub const SALA_ARCHITECTURE: &str = "MiniCPMSALAForCausalLM";
 
 /// Config keys that the engines' MiniCPM-SALA config classes define as read-only properties
 /// (SGLang's `MiniCPMHybridConfig` in its upstream and SOAR-era versions, the vLLM port's
@@ -67,6 +73,125 @@ pub fn dtype_key(config: &Value) -> Option<(&'static str, String)> {
         }
     }
     None
+}
+
+/// The config rules of an engine (`rules`) on `view`: derived keys, then `auto_map` (code in
+/// other repos, its own config class, the remote-code files the folder lacks, the model code).
+/// Returns the remote-code files the folder needs.
+pub(super) fn check_config(view: &FolderView, rules: &Rules, f: &mut Findings) -> Vec<String> {
+    let config = &view.config;
+    let derived = derived_keys(config);
+    if !derived.is_empty() {
+        let what = format!(
+            "config.json carries {derived:?}, which SGLang's MiniCPMHybridConfig defines as \
+             read-only properties: AutoConfig.from_pretrained fails with \"can't set attribute\""
+        );
+        let fix = "remove those keys from config.json (quantize and pack-marlin never write them)";
+        f.push(rules.derived_keys_fatal, super::Finding::new(&what, fix));
+    }
+    let mut refs = remote_code::auto_map_refs("config.json", config);
+    if let Some(t) = &view.tokenizer_config {
+        refs.extend(remote_code::auto_map_refs("tokenizer_config.json", t));
+    }
+    for r in refs.iter().filter(|r| r.module_file.is_none()) {
+        f.note(&format!(
+            "{} auto_map.{} is {:?}: code from another hub repo, fetched by the engine with \
+             trust_remote_code",
+            r.file, r.class_key, r.reference
+        ));
+    }
+    let (needed, missing) = remote_code::remote_code_closure(&refs, &view.files, &view.texts);
+    let has = |key: &str| {
+        refs.iter()
+            .any(|r| r.file == "config.json" && r.class_key == key)
+    };
+    let auto_config = has("AutoConfig");
+    own_config_class(config, rules, auto_config, f);
+    for (file, why) in &missing {
+        missing_code(file, why, rules, auto_config, f);
+    }
+    if rules.needs_model_code {
+        model_code(config, auto_config, has("AutoModelForCausalLM"), f);
+    }
+    needed
+}
+
+/// `auto_map.AutoConfig` makes transformers build the remote config class where the engine
+/// needs its own.
+fn own_config_class(config: &Value, rules: &Rules, auto_config: bool, f: &mut Findings) {
+    let model_type = model_type(config).unwrap_or("");
+    if rules.own_config_class && SGLANG_OWN_CONFIG.contains(&model_type) && auto_config {
+        f.problem(
+            &format!(
+                "config.json's auto_map has AutoConfig: with --trust-remote-code transformers \
+                 builds the remote config class, while SGLang's hybrid linear-attention and \
+                 sparse backends need its own MiniCPMHybridConfig for model_type {model_type}"
+            ),
+            "remove auto_map.AutoConfig from config.json (quantize --engine sglang writes it so)",
+        );
+    }
+}
+
+/// A remote-code file the folder lacks (`why`: what needs it): fatal where the engine imports
+/// it (every file for transformers; the tokenizer's and the config class's for the others).
+fn missing_code(file: &str, why: &str, rules: &Rules, auto_config: bool, f: &mut Findings) {
+    let tokenizer = why.starts_with("tokenizer_config.json");
+    let fatal =
+        rules.imports_all_remote_code || tokenizer || (auto_config && why.contains("AutoConfig"));
+    let what = format!(
+        "{file} is missing (needed by {why}): loading with trust_remote_code fails with \"does \
+         not appear to have a file named {file}\""
+    );
+    let fix = "copy the source's remote-code files into the folder (quantize and pack-marlin \
+               copy every *.py of the source)";
+    f.push(fatal, super::Finding::new(&what, fix));
+}
+
+/// An architecture transformers does not build needs `auto_map`'s AutoConfig and
+/// AutoModelForCausalLM.
+fn model_code(config: &Value, auto_config: bool, auto_model: bool, f: &mut Findings) {
+    let arch = architecture(config);
+    if TRANSFORMERS_BUILTIN.contains(&arch.unwrap_or("")) || (auto_config && auto_model) {
+        return;
+    }
+    f.problem(
+        &format!(
+            "transformers has no built-in {} and config.json's auto_map lacks {}: \
+             AutoModelForCausalLM cannot find the model code",
+            arch.unwrap_or("architecture"),
+            if auto_config {
+                "AutoModelForCausalLM"
+            } else {
+                "AutoConfig"
+            }
+        ),
+        "keep the source's auto_map and remote-code files (quantize --engine transformers keeps \
+         them)",
+    );
+}
+
+/// MiniCPM-SALA runs in BF16 only: where `--dtype auto` makes float16 of a missing or float32
+/// dtype (and serves any other as written), config.json must say bfloat16.
+pub(super) fn sala_dtype(config: &Value, rules: &Rules, sala: bool, f: &mut Findings) {
+    let dtype = dtype_key(config);
+    let name = dtype.as_ref().map(|(_, v)| v.as_str());
+    if !(sala && rules.dtype_auto_float16) || name == Some("bfloat16") {
+        return;
+    }
+    f.problem(
+        &format!(
+            "config.json's dtype is {}: SGLang serves {} activations, and MiniCPM-SALA's sparse \
+             attention runs BF16 only (float16 crashed with \"query and key must have the same \
+             dtype\")",
+            name.map_or("absent (torch_dtype/dtype)".to_string(), |v| v.to_string()),
+            if name.is_none() || name == Some("float32") {
+                "float16 (SGLang's --dtype auto turns a missing or float32 dtype into float16)"
+            } else {
+                "those"
+            }
+        ),
+        "keep the source's \"dtype\": \"bfloat16\" (or torch_dtype) in config.json",
+    );
 }
 
 /// What writing a source config for `engine` changed, for the report and the model card.

@@ -117,6 +117,53 @@ pub fn with_remote_code(v: &mut FolderView) {
     }
 }
 
+/// MiniCPM-SALA after pack-marlin (`B`/`s` tiles, checkpoint_format marlin).
+pub fn sala_marlin() -> FolderView {
+    quantized(sala_config(), json!({"checkpoint_format": "marlin"}))
+}
+
+/// MiniCPM-SALA with `intermediate_size` 704: `down_proj`'s in_features are no multiple of
+/// 128 (nor of the group size), beyond gptq_marlin's shapes.
+pub fn sala_odd() -> FolderView {
+    let mut c = sala_config();
+    c["intermediate_size"] = json!(704);
+    quantized(c, json!({}))
+}
+
+/// A Llama whose `hidden_size` (192) is no multiple of 128: beyond gptq_marlin's shapes.
+pub fn llama_odd() -> FolderView {
+    let mut c = llama_config();
+    c["hidden_size"] = json!(192);
+    c["num_attention_heads"] = json!(3);
+    c["num_key_value_heads"] = json!(1);
+    quantized(c, json!({}))
+}
+
+/// The Llama with every `self_attn.o_proj` kept in 16 bits by a `-:` rule.
+pub fn llama_skip_o() -> FolderView {
+    quantized(
+        llama_config(),
+        json!({"dynamic": {r"-:.*self_attn\.o_proj": {}}}),
+    )
+}
+
+/// The Llama with a `-:` rule on layer 0's `k_proj` alone (a member name: the fused group
+/// split).
+pub fn llama_skip_k() -> FolderView {
+    quantized(
+        llama_config(),
+        json!({"dynamic": {r"-:model\.layers\.0\.self_attn\.k_proj": {}}}),
+    )
+}
+
+/// The Llama with layer 0's `down_proj` at 3 bits by a `+:` rule.
+pub fn llama_plus3() -> FolderView {
+    quantized(
+        llama_config(),
+        json!({"dynamic": {r"+:model\.layers\.0\.mlp\.down_proj": {"bits": 3}}}),
+    )
+}
+
 /// The `quantization_config` of a view, to edit.
 pub fn qc(v: &mut FolderView) -> &mut Value {
     &mut v.config["quantization_config"]
@@ -136,19 +183,67 @@ pub enum In {
     UnusedTensors,
 }
 
-/// One finding: a folder, an edit, the engine, and what the check must say.
+/// One finding: a folder, an edit, the engine, and what the check must say (whether the engine
+/// loads the folder, and a fragment of one of its answers).
 pub struct Row {
-    pub name: &'static str,
-    pub engine: Engine,
-    pub base: fn() -> FolderView,
-    pub edit: fn(&mut FolderView),
-    pub legacy_marlin: bool,
-    pub loads: bool,
-    pub place: In,
-    pub fragment: &'static str,
+    name: &'static str,
+    engine: Engine,
+    base: fn() -> FolderView,
+    edit: fn(&mut FolderView),
+    legacy_marlin: bool,
+    loads: bool,
+    place: In,
+    fragment: &'static str,
 }
 
 impl Row {
+    /// The folder `base` makes, as `engine` loads it.
+    pub fn new(name: &'static str, engine: Engine, base: fn() -> FolderView) -> Self {
+        Self {
+            name,
+            engine,
+            base,
+            edit: |_| {},
+            legacy_marlin: false,
+            loads: true,
+            place: In::Linears,
+            fragment: "",
+        }
+    }
+
+    /// Changes the folder first.
+    pub fn edit(self, edit: fn(&mut FolderView)) -> Self {
+        Self { edit, ..self }
+    }
+
+    /// Checked as a release with the legacy `marlin` method.
+    pub fn legacy(self) -> Self {
+        Self {
+            legacy_marlin: true,
+            ..self
+        }
+    }
+
+    /// The engine loads the folder, and `fragment` is in `place`.
+    pub fn loads(self, place: In, fragment: &'static str) -> Self {
+        Self {
+            loads: true,
+            place,
+            fragment,
+            ..self
+        }
+    }
+
+    /// The engine would not load the folder, and `fragment` is in `place`.
+    pub fn fails(self, place: In, fragment: &'static str) -> Self {
+        Self {
+            loads: false,
+            place,
+            fragment,
+            ..self
+        }
+    }
+
     fn texts(&self, c: &EngineCheck) -> Vec<String> {
         let what = |f: &[super::Finding]| -> Vec<String> {
             f.iter()
@@ -174,7 +269,7 @@ impl Row {
     }
 
     /// What is wrong with the check's answer for this row, if anything.
-    pub fn failure(&self) -> Option<String> {
+    fn failure(&self) -> Option<String> {
         let c = self.check();
         let found = self.texts(&c).iter().any(|t| t.contains(self.fragment));
         (c.loads != self.loads || !found).then(|| {
@@ -197,15 +292,17 @@ impl Row {
     }
 }
 
-/// Runs every row and fails with all the rows that disagree. With `ENGINE_RULES_SNAPSHOT=FILE`
-/// it also writes every row's whole answer (the `inspect --engine --json` object) to `FILE`:
-/// the same file before and after a change proves the change kept every output.
-pub fn run(rows: &[Row]) {
-    if let Some(path) = std::env::var_os("ENGINE_RULES_SNAPSHOT") {
+/// Runs every row of the table `table` and fails with all the rows that disagree. With
+/// `ENGINE_RULES_SNAPSHOT=DIR` it also writes every row's whole answer (the `inspect --engine
+/// --json` object) to `DIR/<table>.json`: the same files before and after a change prove that
+/// the change kept every output.
+pub fn run(table: &str, rows: &[Row]) {
+    if let Some(dir) = std::env::var_os("ENGINE_RULES_SNAPSHOT") {
         let all: Vec<Value> = rows
             .iter()
             .map(|r| json!({"row": r.name, "check": r.check()}))
             .collect();
+        let path = Path::new(&dir).join(format!("{table}.json"));
         std::fs::write(path, serde_json::to_string_pretty(&all).unwrap()).unwrap();
     }
     let failures: Vec<String> = rows.iter().filter_map(Row::failure).collect();
@@ -217,6 +314,3 @@ pub fn run(rows: &[Row]) {
         failures.join("\n")
     );
 }
-
-/// An edit that changes nothing.
-pub fn keep(_: &mut FolderView) {}

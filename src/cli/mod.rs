@@ -6,7 +6,7 @@ use crate::checkpoint::writer::DEFAULT_SHARD_BYTES;
 use crate::device::DeviceSpec;
 use crate::eval::{PplOptions, DEFAULT_EVAL_TEXT};
 use crate::model::SparseAttention;
-use crate::scheme::{ActOrder, GroupSize};
+use crate::scheme::{ActOrder, Bits, GroupSize};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use clap::{Parser, Subcommand, ValueEnum};
@@ -229,8 +229,8 @@ pub struct QuantizeArgs {
     #[arg(long)]
     pub out: PathBuf,
     /// Bits per weight: 2, 3, 4 or 8 (Marlin serves 4 and 8; 2 and 3 use the engines' gptq kernel).
-    #[arg(long, default_value_t = 4, value_parser = parse_bits)]
-    pub bits: u8,
+    #[arg(long, default_value_t = Bits::B4)]
+    pub bits: Bits,
     /// Columns per quantization group (-1: one group per row).
     #[arg(long, default_value_t = GroupSize::G128, allow_hyphen_values = true)]
     pub group_size: GroupSize,
@@ -389,15 +389,6 @@ impl TargetArg {
             Self::Transformers => Some(crate::engine::Engine::Transformers),
             Self::None => None,
         }
-    }
-}
-
-fn parse_bits(s: &str) -> std::result::Result<u8, String> {
-    match s.parse::<u8>() {
-        Ok(b) if [2, 3, 4, 8].contains(&b) => Ok(b),
-        _ => Err(format!(
-            "{s} cannot be packed in the GPTQ format this tool writes: use 2, 3, 4 or 8"
-        )),
     }
 }
 

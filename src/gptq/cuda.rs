@@ -51,16 +51,8 @@ pub(super) fn factorize(h: &Tensor, opts: &SolveOptions) -> Result<Factorization
     let (dead, perm) = dead_columns_and_order(&mut diag, opts.act_order);
     let mean_diag = diag.iter().map(|&d| d as f64).sum::<f64>() / k as f64;
     trace.lap("diag + order")?;
-    let (u, damp_used) = inverse_cholesky_upper(
-        dev,
-        &h,
-        k,
-        &perm,
-        opts.damp,
-        mean_diag,
-        opts.factor,
-        module,
-    )?;
+    let (u, damp_used) =
+        inverse_cholesky_upper(dev, &h, k, &perm, opts.damp, mean_diag, opts.factor, module)?;
     stream.synchronize()?;
     Ok(Factorization {
         k,

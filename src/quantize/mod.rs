@@ -26,7 +26,7 @@ use crate::engine::{self, config::ConfigEdits, Engine};
 use crate::format::quantized::GptqConfig;
 use crate::gptq::QuantParams;
 use crate::model::AnyConfig;
-use crate::scheme::{ActOrder, GroupSize, QuantFormat};
+use crate::scheme::{ActOrder, Bits, GroupSize, QuantFormat};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device};
 use journal::Journal;
@@ -59,7 +59,7 @@ pub struct QuantizeOptions {
     pub revision: Option<String>,
     pub calib: Vec<CalibSpec>,
     pub out: PathBuf,
-    pub bits: u8,
+    pub bits: Bits,
     pub group_size: GroupSize,
     pub act_order: ActOrder,
     pub sym: bool,
@@ -127,7 +127,7 @@ pub struct Settings {
     /// GPTAQ's share of the correction (only with `--method gptaq`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gptaq_alpha: Option<f64>,
-    pub bits: u8,
+    pub bits: Bits,
     pub group_size: GroupSize,
     pub act_order: ActOrder,
     pub sym: bool,
@@ -271,18 +271,12 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
 
     // Settings are checked before any heavy work.
     let quant = QuantParams {
-        bits: opts.bits,
+        bits: opts.bits.get(),
         group_size: opts.group_size,
         sym: opts.sym,
         mse: opts.mse,
     };
     quant.validate().context("invalid quantization settings")?;
-    if ![2, 3, 4, 8].contains(&opts.bits) {
-        bail!(
-            "--bits {} cannot be packed in the GPTQ format this tool writes: use 2, 3, 4 or 8",
-            opts.bits
-        );
-    }
     cfg.check_length(opts.seqlen.max())
         .with_context(|| format!("--seqlen {} is too long for this model", opts.seqlen))?;
     if opts.load_hessians.is_some() && opts.method == Method::Rtn {
@@ -813,7 +807,7 @@ fn quantization_config(
         && plan.any_kept())
     .then(|| plan.quantized().into_iter().map(|(n, _)| n).collect());
     let qc = GptqConfig {
-        bits: opts.bits,
+        bits: opts.bits.get(),
         group_size: opts.group_size,
         sym: opts.sym,
         desc_act: opts.act_order.desc_act(),
@@ -836,7 +830,7 @@ fn output_specs(cfg: &AnyConfig, ck: &Checkpoint, plan: &plan::Plan) -> Result<V
     for (name, shape) in cfg.expected_tensors() {
         let prefix = name.strip_suffix(".weight").unwrap_or(&name);
         if let Some(scheme) = quantized.get(prefix) {
-            let (vals, words) = crate::format::pack::block_shape(scheme.bits)?;
+            let (vals, words) = crate::format::pack::block_shape(scheme.bits.get())?;
             let (n, k) = (shape[0], shape[1]);
             let g = scheme.group_size.count(k);
             specs.push(TensorSpec::new(

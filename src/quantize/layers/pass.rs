@@ -165,7 +165,7 @@ impl<'r, 's> Pass<'r, 's> {
                 &p,
                 n,
                 k,
-                scheme.bits,
+                scheme.bits.get(),
                 self.run.layout,
                 opts.dtype,
                 &opts.device,
@@ -218,7 +218,7 @@ impl<'r, 's> Pass<'r, 's> {
                 };
                 self.pb.set_message(format!("layer {i}: solving {m}"));
                 let quant = gptq::QuantParams {
-                    bits: scheme.bits,
+                    bits: scheme.bits.get(),
                     group_size: scheme.group_size,
                     ..self.run.quant
                 };

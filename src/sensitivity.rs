@@ -27,7 +27,7 @@ use std::time::Instant;
 pub const QUANTIZE_REPORT: &str = "quantize_report.json";
 
 /// How finely the checkpoint is cut into units.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Granularity {
     /// Per layer: the attention Linears, the MLP Linears.

@@ -4,11 +4,15 @@
 use crate::checkpoint::guard::{self, InputPath, OutputFile};
 use crate::checkpoint::writer::DEFAULT_SHARD_BYTES;
 use crate::device::DeviceSpec;
+use crate::engine::Engine;
 use crate::eval::{PplOptions, DEFAULT_EVAL_TEXT};
 use crate::model::SparseAttention;
+use crate::quantize::Method;
 use crate::scheme::{ActOrder, Bits, GroupSize};
+use crate::sensitivity::Granularity;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 
@@ -73,8 +77,8 @@ pub struct SensitivityArgs {
 
     /// Units: block (per layer the attention Linears and the MLP Linears) or module (per
     /// module the engines load: qkv_proj, o_proj, the attention gate, gate_up_proj, down_proj).
-    #[arg(long, value_enum, default_value_t = GranularityArg::Block)]
-    pub granularity: GranularityArg,
+    #[arg(long, value_enum, default_value_t = Granularity::Block)]
+    pub granularity: Granularity,
     /// Also score each unit quantized alone, the rest in 16 bits.
     #[arg(long)]
     pub alone: bool,
@@ -101,20 +105,14 @@ pub struct SensitivityArgs {
     #[arg(long, default_value = "auto")]
     pub device: DeviceSpec,
     /// Compute dtype (default: f32 on the CPU, bf16 on a GPU).
-    #[arg(long, value_enum)]
-    pub dtype: Option<ComputeDtype>,
+    #[arg(long, value_parser = dtype_parser())]
+    pub dtype: Option<DType>,
     /// Windows per forward batch.
     #[arg(long, default_value_t = 4, value_parser = parse_positive)]
     pub batch: usize,
     /// Print one JSON document on stdout instead of text.
     #[arg(long)]
     pub json: bool,
-}
-
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GranularityArg {
-    Block,
-    Module,
 }
 
 fn parse_upgrade(s: &str) -> std::result::Result<u8, String> {
@@ -203,8 +201,8 @@ pub struct EvalPplArgs {
     #[arg(long, default_value = "auto")]
     pub device: DeviceSpec,
     /// Compute dtype (default: f32 on the CPU, bf16 on a GPU).
-    #[arg(long, value_enum)]
-    pub dtype: Option<ComputeDtype>,
+    #[arg(long, value_parser = dtype_parser())]
+    pub dtype: Option<DType>,
     /// Windows per forward batch.
     #[arg(long, default_value_t = 4, value_parser = parse_positive)]
     pub batch: usize,
@@ -280,8 +278,8 @@ pub struct QuantizeArgs {
     #[arg(long, default_value = "auto")]
     pub device: DeviceSpec,
     /// Compute dtype of the calibration forward (default: f32 on the CPU, bf16 on a GPU).
-    #[arg(long, value_enum)]
-    pub dtype: Option<ComputeDtype>,
+    #[arg(long, value_parser = dtype_parser())]
+    pub dtype: Option<DType>,
     /// Take all Hessians of a layer from the unquantized layer.
     #[arg(long)]
     pub no_true_sequential: bool,
@@ -313,8 +311,8 @@ pub struct QuantizeArgs {
     /// gptq; gptaq (GPTQ on the asymmetric objective: the full-precision model's inputs as the
     /// target, a second forward stream; docs/algorithm.md, GPTAQ); or rtn (round-to-nearest
     /// baseline through the same writer).
-    #[arg(long, value_enum, default_value_t = MethodArg::Gptq)]
-    pub method: MethodArg,
+    #[arg(long, value_enum, default_value_t = Method::Gptq)]
+    pub method: Method,
     /// GPTAQ: the share of the asymmetric correction applied, in [0, 1] (0 is GPTQ).
     #[arg(long, default_value_t = 1.0, value_parser = parse_alpha)]
     pub gptaq_alpha: f64,
@@ -336,8 +334,8 @@ pub struct QuantizeArgs {
     /// The serving engine the output is written for and checked against before the run and
     /// before it is committed (docs/engines.md); `none` applies no engine's rules and checks
     /// nothing (for checkpoints made to be evaluated, e.g. 3-bit MiniCPM-SALA).
-    #[arg(long, value_enum, default_value_t = TargetArg::Sglang)]
-    pub engine: TargetArg,
+    #[arg(long, value_parser = engine_or_none(), default_value = "sglang")]
+    pub engine: std::option::Option<Engine>,
     /// Print the report as one JSON document on stdout.
     #[arg(long)]
     pub json: bool,
@@ -346,50 +344,25 @@ pub struct QuantizeArgs {
     pub stop_after_layers: Option<usize>,
 }
 
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MethodArg {
-    Gptq,
-    Gptaq,
-    Rtn,
-}
+/// `--engine` of `inspect`: the serving engine whose load is emulated. (Implemented here
+/// rather than derived on [`Engine`] while src/engine/ is being rewritten.)
+impl ValueEnum for Engine {
+    fn value_variants<'a>() -> &'a [Self] {
+        &Engine::ALL
+    }
 
-/// `--engine`: the serving engine an output is written for and checked against.
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EngineArg {
-    Sglang,
-    Vllm,
-    Transformers,
-}
-
-impl From<EngineArg> for crate::engine::Engine {
-    fn from(e: EngineArg) -> Self {
-        match e {
-            EngineArg::Sglang => Self::Sglang,
-            EngineArg::Vllm => Self::Vllm,
-            EngineArg::Transformers => Self::Transformers,
-        }
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        Some(PossibleValue::new(self.name()))
     }
 }
 
-/// `--engine` of commands that write a checkpoint: an engine, or `none` (no engine's rules
-/// applied, no load check: for checkpoints made to be evaluated, not served).
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TargetArg {
-    Sglang,
-    Vllm,
-    Transformers,
-    None,
-}
-
-impl TargetArg {
-    fn engine(self) -> Option<crate::engine::Engine> {
-        match self {
-            Self::Sglang => Some(crate::engine::Engine::Sglang),
-            Self::Vllm => Some(crate::engine::Engine::Vllm),
-            Self::Transformers => Some(crate::engine::Engine::Transformers),
-            Self::None => None,
-        }
-    }
+/// `--engine` of the commands that write a checkpoint: an engine, or `none` (no engine's rules
+/// applied, no load check: for checkpoints made to be evaluated, not served). The field is
+/// spelled `std::option::Option` so that clap takes `none` as a value instead of making the
+/// flag optional.
+fn engine_or_none() -> impl TypedValueParser<Value = Option<Engine>> {
+    let names = Engine::ALL.map(Engine::name).into_iter().chain(["none"]);
+    PossibleValuesParser::new(names).map(|s| Engine::ALL.into_iter().find(|e| e.name() == s))
 }
 
 fn parse_damp(s: &str) -> std::result::Result<f64, String> {
@@ -459,8 +432,8 @@ pub struct PackMarlinArgs {
     /// The engine whose config rules the output follows and whose loader is emulated on it (as a
     /// release with the legacy marlin method: no current release reads Marlin checkpoints);
     /// `none` checks nothing.
-    #[arg(long, value_enum, default_value_t = TargetArg::Sglang)]
-    pub engine: TargetArg,
+    #[arg(long, value_parser = engine_or_none(), default_value = "sglang")]
+    pub engine: std::option::Option<Engine>,
     /// Print the report as one JSON document on stdout.
     #[arg(long)]
     pub json: bool,
@@ -473,7 +446,7 @@ pub struct InspectArgs {
     /// Emulate this engine's load of the folder (module set, tensors, config, remote code) and
     /// exit 1 when it would fail.
     #[arg(long, value_enum)]
-    pub engine: Option<EngineArg>,
+    pub engine: Option<Engine>,
     /// With --engine on a Marlin checkpoint: check it as a release that still has the legacy
     /// marlin method would load it (what pack-marlin checks).
     #[arg(long, requires = "engine")]
@@ -508,16 +481,18 @@ pub struct SynthArgs {
     pub force: bool,
 }
 
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ComputeDtype {
-    F32,
-    Bf16,
+/// `--dtype`: the compute dtype, f32 or bf16.
+fn dtype_parser() -> impl TypedValueParser<Value = DType> {
+    PossibleValuesParser::new(["f32", "bf16"]).map(|s| match s.as_str() {
+        "f32" => DType::F32,
+        _ => DType::BF16,
+    })
 }
 
-fn compute_dtype(choice: Option<ComputeDtype>, device: &Device) -> DType {
+/// The compute dtype: `--dtype`, else f32 on the CPU and bf16 on a GPU.
+fn compute_dtype(choice: Option<DType>, device: &Device) -> DType {
     match choice {
-        Some(ComputeDtype::F32) => DType::F32,
-        Some(ComputeDtype::Bf16) => DType::BF16,
+        Some(d) => d,
         None if device.is_cpu() => DType::F32,
         None => DType::BF16,
     }
@@ -543,7 +518,7 @@ fn text_name(data: &str) -> String {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Quantize(a) => {
-            if a.method == MethodArg::Gptaq {
+            if a.method == Method::Gptaq {
                 if a.no_true_sequential {
                     usage_error(
                         "--method gptaq needs true-sequential calibration (each group's \
@@ -560,7 +535,7 @@ fn run(cli: Cli) -> Result<()> {
             } else if a.gptaq_alpha != 1.0 {
                 usage_error("--gptaq-alpha applies to --method gptaq only");
             }
-            if a.refit && a.method == MethodArg::Rtn {
+            if a.refit && a.method == Method::Rtn {
                 usage_error(
                     "--refit fits scales under the Hessian, which --method rtn does not compute: \
                      use it with --method gptq or gptaq",
@@ -599,11 +574,7 @@ fn run(cli: Cli) -> Result<()> {
                 load_hessians: a.load_hessians.clone(),
                 resume: a.resume,
                 force: a.force,
-                method: match a.method {
-                    MethodArg::Gptq => crate::quantize::Method::Gptq,
-                    MethodArg::Gptaq => crate::quantize::Method::Gptaq,
-                    MethodArg::Rtn => crate::quantize::Method::Rtn,
-                },
+                method: a.method,
                 gptaq_alpha: a.gptaq_alpha,
                 batch: a.batch,
                 factor_precision,
@@ -611,7 +582,7 @@ fn run(cli: Cli) -> Result<()> {
                 max_host_memory: a.max_host_memory,
                 shard_bytes: a.shard_size,
                 stop_after_layers: a.stop_after_layers,
-                engine: a.engine.engine(),
+                engine: a.engine,
                 verify: a.verify,
             };
             let report = crate::quantize::quantize(&opts)?;
@@ -659,7 +630,7 @@ fn run(cli: Cli) -> Result<()> {
                 Some(engine) => {
                     // The engine's view first: it explains a failure better than validation,
                     // and the full validation (which reads every tensor) runs only when it passes.
-                    let check = crate::engine::check_dir(&a.dir, engine.into(), a.legacy_marlin)?;
+                    let check = crate::engine::check_dir(&a.dir, engine, a.legacy_marlin)?;
                     let validated = if check.loads {
                         inspect()
                     } else {
@@ -707,12 +678,8 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::PackMarlin(a) => {
-            let report = crate::pack_marlin::pack_marlin_checkpoint(
-                &a.input,
-                &a.out,
-                a.force,
-                a.engine.engine(),
-            )?;
+            let report =
+                crate::pack_marlin::pack_marlin_checkpoint(&a.input, &a.out, a.force, a.engine)?;
             if a.json {
                 crate::outln!("{}", serde_json::to_string_pretty(&report)?);
             } else {
@@ -764,10 +731,7 @@ fn run(cli: Cli) -> Result<()> {
                     sparse_attention: a.sparse_attention,
                     text_name: text_name(&a.data),
                 },
-                granularity: match a.granularity {
-                    GranularityArg::Block => crate::sensitivity::Granularity::Block,
-                    GranularityArg::Module => crate::sensitivity::Granularity::Module,
-                },
+                granularity: a.granularity,
                 alone: a.alone,
                 upgrade_bits: a.upgrade,
                 budget: match (a.budget_gb, a.budget_pct) {

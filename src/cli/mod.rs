@@ -3,15 +3,15 @@
 
 use crate::checkpoint::guard::{self, InputPath, OutputFile};
 use crate::checkpoint::writer::DEFAULT_SHARD_BYTES;
-use crate::device::DeviceSpec;
+use crate::device::DeviceArgs;
 use crate::engine::Engine;
 use crate::eval::{PplOptions, DEFAULT_EVAL_TEXT};
 use crate::model::SparseAttention;
 use crate::quantize::Method;
 use crate::scheme::{ActOrder, Bits, GroupSize};
 use crate::sensitivity::Granularity;
+use crate::source::ModelArgs;
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device};
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
@@ -51,12 +51,8 @@ pub enum Command {
 
 #[derive(clap::Args, Debug)]
 pub struct SensitivityArgs {
-    /// The 16-bit source model: folder or hub repo id (org/name).
-    #[arg(long)]
-    pub model: String,
-    /// Hub revision (branch, tag or commit) when --model is a repo id.
-    #[arg(long)]
-    pub revision: Option<String>,
+    #[command(flatten)]
+    pub source: ModelArgs,
     /// The quantized checkpoint (GPTQ or Marlin folder) made from --model.
     #[arg(long)]
     pub quantized: PathBuf,
@@ -101,18 +97,10 @@ pub struct SensitivityArgs {
     /// Replace --plan-out if it exists (a regular file only: never a folder, device or input).
     #[arg(long)]
     pub force: bool,
-    /// auto, cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto")]
-    pub device: DeviceSpec,
-    /// Compute dtype (default: f32 on the CPU, bf16 on a GPU).
-    #[arg(long, value_parser = dtype_parser())]
-    pub dtype: Option<DType>,
-    /// Windows per forward batch.
-    #[arg(long, default_value_t = 4, value_parser = parse_positive)]
-    pub batch: usize,
-    /// Print one JSON document on stdout instead of text.
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub forward: Forward,
+    #[command(flatten)]
+    pub print: Print,
 }
 
 fn parse_upgrade(s: &str) -> std::result::Result<u8, String> {
@@ -155,19 +143,14 @@ pub struct ImportGgufArgs {
     /// Largest output shard in bytes.
     #[arg(long, default_value_t = DEFAULT_SHARD_BYTES, value_parser = parse_shard_size)]
     pub shard_size: u64,
-    /// Print the report as one JSON document on stdout.
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub print: Print,
 }
 
 #[derive(clap::Args, Debug)]
 pub struct EvalPplArgs {
-    /// Model folder or hub repo id (org/name).
-    #[arg(long)]
-    pub model: String,
-    /// Hub revision (branch, tag or commit) when --model is a repo id.
-    #[arg(long)]
-    pub revision: Option<String>,
+    #[command(flatten)]
+    pub source: ModelArgs,
     /// Also score these models (BF16, GPTQ or Marlin folders) on the same windows and report
     /// their perplexity difference, mean KL divergence and top-1 agreement (repeatable).
     #[arg(long)]
@@ -197,28 +180,16 @@ pub struct EvalPplArgs {
     #[arg(long)]
     pub force: bool,
 
-    /// auto, cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto")]
-    pub device: DeviceSpec,
-    /// Compute dtype (default: f32 on the CPU, bf16 on a GPU).
-    #[arg(long, value_parser = dtype_parser())]
-    pub dtype: Option<DType>,
-    /// Windows per forward batch.
-    #[arg(long, default_value_t = 4, value_parser = parse_positive)]
-    pub batch: usize,
-    /// Print one JSON document on stdout instead of text.
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub forward: Forward,
+    #[command(flatten)]
+    pub print: Print,
 }
 
 #[derive(clap::Args, Debug)]
 pub struct QuantizeArgs {
-    /// Model folder or hub repo id (org/name).
-    #[arg(long)]
-    pub model: String,
-    /// Hub revision (branch, tag or commit) when --model is a repo id.
-    #[arg(long)]
-    pub revision: Option<String>,
+    #[command(flatten)]
+    pub source: ModelArgs,
     /// Calibration source: `default`, a .txt or .jsonl file, or a folder; append `:WEIGHT` to mix
     /// several (repeatable).
     #[arg(long, default_values_t = vec!["default".to_string()])]
@@ -274,12 +245,8 @@ pub struct QuantizeArgs {
     /// earlier rules decide); without it such a plan is refused, naming them.
     #[arg(long, requires = "plan")]
     pub allow_unmatched_rules: bool,
-    /// auto, cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto")]
-    pub device: DeviceSpec,
-    /// Compute dtype of the calibration forward (default: f32 on the CPU, bf16 on a GPU).
-    #[arg(long, value_parser = dtype_parser())]
-    pub dtype: Option<DType>,
+    #[command(flatten)]
+    pub compute: DeviceArgs,
     /// Take all Hessians of a layer from the unquantized layer.
     #[arg(long)]
     pub no_true_sequential: bool,
@@ -336,9 +303,8 @@ pub struct QuantizeArgs {
     /// nothing (for checkpoints made to be evaluated, e.g. 3-bit MiniCPM-SALA).
     #[arg(long, value_parser = engine_or_none(), default_value = "sglang")]
     pub engine: std::option::Option<Engine>,
-    /// Print the report as one JSON document on stdout.
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub print: Print,
     /// Testing aid: fail after this many layers (leaves a resumable <out>.partial).
     #[arg(long, hide = true)]
     pub stop_after_layers: Option<usize>,
@@ -434,9 +400,8 @@ pub struct PackMarlinArgs {
     /// `none` checks nothing.
     #[arg(long, value_parser = engine_or_none(), default_value = "sglang")]
     pub engine: std::option::Option<Engine>,
-    /// Print the report as one JSON document on stdout.
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub print: Print,
 }
 
 #[derive(clap::Args, Debug)]
@@ -451,9 +416,8 @@ pub struct InspectArgs {
     /// marlin method would load it (what pack-marlin checks).
     #[arg(long, requires = "engine")]
     pub legacy_marlin: bool,
-    /// Print one JSON document on stdout instead of text.
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub print: Print,
 }
 
 #[derive(clap::Args, Debug)]
@@ -481,21 +445,22 @@ pub struct SynthArgs {
     pub force: bool,
 }
 
-/// `--dtype`: the compute dtype, f32 or bf16.
-fn dtype_parser() -> impl TypedValueParser<Value = DType> {
-    PossibleValuesParser::new(["f32", "bf16"]).map(|s| match s.as_str() {
-        "f32" => DType::F32,
-        _ => DType::BF16,
-    })
+/// The device flags of the commands that score text, with their batch size.
+#[derive(clap::Args, Debug)]
+pub struct Forward {
+    #[command(flatten)]
+    pub compute: DeviceArgs,
+    /// Windows per forward batch.
+    #[arg(long, default_value_t = 4, value_parser = parse_positive)]
+    pub batch: usize,
 }
 
-/// The compute dtype: `--dtype`, else f32 on the CPU and bf16 on a GPU.
-fn compute_dtype(choice: Option<DType>, device: &Device) -> DType {
-    match choice {
-        Some(d) => d,
-        None if device.is_cpu() => DType::F32,
-        None => DType::BF16,
-    }
+/// `--json`, of every command that prints a report.
+#[derive(clap::Args, Debug)]
+pub struct Print {
+    /// Print one JSON document on stdout instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 fn read_eval_text(data: &str) -> Result<String> {
@@ -541,12 +506,12 @@ fn run(cli: Cli) -> Result<()> {
                      use it with --method gptq or gptaq",
                 );
             }
-            let device = a.device.open()?;
+            let (device, dtype) = a.compute.open()?;
             let factor_precision =
                 crate::quantize::resolve_factor_precision(a.factor_precision, &device)?;
             let opts = crate::quantize::QuantizeOptions {
-                model: a.model.clone(),
-                revision: a.revision.clone(),
+                model: a.source.model.clone(),
+                revision: a.source.revision.clone(),
                 calib: a
                     .calib
                     .iter()
@@ -565,7 +530,7 @@ fn run(cli: Cli) -> Result<()> {
                 skip: a.skip.clone(),
                 plan: a.plan.clone(),
                 allow_unmatched_rules: a.allow_unmatched_rules,
-                dtype: compute_dtype(a.dtype, &device),
+                dtype,
                 device,
                 true_sequential: !a.no_true_sequential,
                 mse: !a.no_mse,
@@ -586,7 +551,7 @@ fn run(cli: Cli) -> Result<()> {
                 verify: a.verify,
             };
             let report = crate::quantize::quantize(&opts)?;
-            if a.json {
+            if a.print.json {
                 crate::outln!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 report.print_text();
@@ -621,7 +586,7 @@ fn run(cli: Cli) -> Result<()> {
             match a.engine {
                 None => {
                     let r = inspect()?;
-                    if a.json {
+                    if a.print.json {
                         crate::outln!("{}", serde_json::to_string_pretty(&r.to_json()?)?);
                     } else {
                         r.print_text();
@@ -636,7 +601,7 @@ fn run(cli: Cli) -> Result<()> {
                     } else {
                         Err(anyhow::anyhow!("not validated: the engine check failed"))
                     };
-                    if a.json {
+                    if a.print.json {
                         let doc = serde_json::json!({
                             "inspect": match &validated {
                                 Ok(r) => r.to_json()?,
@@ -671,7 +636,7 @@ fn run(cli: Cli) -> Result<()> {
                 force: a.force,
                 shard_bytes: a.shard_size,
             })?;
-            if a.json {
+            if a.print.json {
                 crate::outln!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 report.print_text();
@@ -680,7 +645,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::PackMarlin(a) => {
             let report =
                 crate::pack_marlin::pack_marlin_checkpoint(&a.input, &a.out, a.force, a.engine)?;
-            if a.json {
+            if a.print.json {
                 crate::outln!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 report.print_text();
@@ -703,10 +668,7 @@ fn run(cli: Cli) -> Result<()> {
             if a.data != "default" {
                 inputs.push(InputPath::new("--data", &a.data));
             }
-            inputs.push(InputPath::new(
-                "--model",
-                crate::source::cache_repo_dir(&a.model).unwrap_or_else(|| a.model.clone().into()),
-            ));
+            inputs.push(InputPath::new("--model", a.source.local_path()));
             let check_plan_out = |inputs: &[InputPath]| {
                 a.plan_out
                     .as_ref()
@@ -715,18 +677,18 @@ fn run(cli: Cli) -> Result<()> {
             };
             check_plan_out(&inputs)?;
             let text = read_eval_text(&a.data)?;
-            let src = crate::source::resolve(&a.model, a.revision.as_deref())?;
+            let src = a.source.resolve()?;
             inputs.extend(guard::model_inputs("--model", &src.dir));
             inputs.extend(guard::model_inputs("--quantized", &a.quantized));
             let plan_out = check_plan_out(&inputs)?;
-            let device = a.device.open()?;
+            let (device, dtype) = a.forward.compute.open()?;
             let opts = crate::sensitivity::SensitivityOptions {
                 eval: PplOptions {
                     seqlen: a.seqlen,
                     max_windows: Some(a.max_windows),
                     bos: false,
-                    dtype: compute_dtype(a.dtype, &device),
-                    batch: a.batch,
+                    dtype,
+                    batch: a.forward.batch,
                     device,
                     sparse_attention: a.sparse_attention,
                     text_name: text_name(&a.data),
@@ -748,7 +710,7 @@ fn run(cli: Cli) -> Result<()> {
             if let Some(out) = plan_out.as_ref().filter(|_| !empty) {
                 crate::sensitivity::write_plan(out, &r)?;
             }
-            if a.json {
+            if a.print.json {
                 crate::outln!("{}", serde_json::to_string_pretty(&r)?);
             } else {
                 r.print_text();
@@ -766,14 +728,14 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::EvalPpl(a) => {
-            let src = crate::source::resolve(&a.model, a.revision.as_deref())?;
-            let device = a.device.open()?;
+            let src = a.source.resolve()?;
+            let (device, dtype) = a.forward.compute.open()?;
             let opts = PplOptions {
                 seqlen: a.seqlen,
                 max_windows: a.max_windows,
                 bos: a.bos,
-                dtype: compute_dtype(a.dtype, &device),
-                batch: a.batch,
+                dtype,
+                batch: a.forward.batch,
                 device,
                 sparse_attention: a.sparse_attention,
                 text_name: text_name(&a.data),
@@ -794,9 +756,9 @@ fn run(cli: Cli) -> Result<()> {
                 let svg = crate::eval::plot::kl_by_position_svg(&models, opts.seqlen)?;
                 p.write(|tmp| Ok(std::fs::write(tmp, svg.as_bytes())?))?;
             }
-            if a.json && a.compare.is_empty() {
+            if a.print.json && a.compare.is_empty() {
                 crate::outln!("{}", serde_json::to_string_pretty(&c.reference)?);
-            } else if a.json {
+            } else if a.print.json {
                 crate::outln!("{}", serde_json::to_string_pretty(&c)?);
             } else {
                 print_comparison(&src.description, &c);

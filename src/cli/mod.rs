@@ -7,12 +7,11 @@ use crate::device::DeviceArgs;
 use crate::engine::Engine;
 use crate::eval::{PplOptions, DEFAULT_EVAL_TEXT};
 use crate::model::SparseAttention;
-use crate::quantize::Method;
-use crate::scheme::{ActOrder, Bits, GroupSize};
+use crate::quantize::settings::engine_or_none;
 use crate::sensitivity::Granularity;
 use crate::source::ModelArgs;
 use anyhow::{bail, Context, Result};
-use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+use clap::builder::PossibleValue;
 use clap::{Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 
@@ -63,7 +62,7 @@ pub struct SensitivityArgs {
     #[arg(long, default_value_t = 512, value_parser = parse_window)]
     pub seqlen: usize,
     /// Score at most this many windows.
-    #[arg(long, default_value_t = 64, value_parser = parse_positive)]
+    #[arg(long, default_value_t = 64, value_parser = crate::flag::positive)]
     pub max_windows: usize,
     /// When MiniCPM-SALA's sparse layers run InfLLM-v2: auto (as the official code: from
     /// sparse_config.dense_len on), always (as SGLang serves with dense-as-sparse) or never
@@ -113,15 +112,6 @@ fn parse_upgrade(s: &str) -> std::result::Result<u8, String> {
     }
 }
 
-fn parse_gb(s: &str) -> std::result::Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
-        _ => Err(format!(
-            "{s} is not a number of gigabytes (10⁹ bytes), e.g. 24"
-        )),
-    }
-}
-
 fn parse_nonneg(s: &str) -> std::result::Result<f64, String> {
     match s.parse::<f64>() {
         Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
@@ -141,7 +131,7 @@ pub struct ImportGgufArgs {
     #[arg(long)]
     pub force: bool,
     /// Largest output shard in bytes.
-    #[arg(long, default_value_t = DEFAULT_SHARD_BYTES, value_parser = parse_shard_size)]
+    #[arg(long, default_value_t = DEFAULT_SHARD_BYTES, value_parser = crate::flag::bytes)]
     pub shard_size: u64,
     #[command(flatten)]
     pub print: Print,
@@ -162,7 +152,7 @@ pub struct EvalPplArgs {
     #[arg(long, default_value_t = 2048, value_parser = parse_window)]
     pub seqlen: usize,
     /// Score at most this many windows.
-    #[arg(long, value_parser = parse_positive)]
+    #[arg(long, value_parser = crate::flag::positive)]
     pub max_windows: Option<usize>,
     /// Start every window with the BOS token.
     #[arg(long)]
@@ -186,128 +176,13 @@ pub struct EvalPplArgs {
     pub print: Print,
 }
 
+/// `quantize`: its settings, and how the report is printed.
 #[derive(clap::Args, Debug)]
 pub struct QuantizeArgs {
     #[command(flatten)]
-    pub source: ModelArgs,
-    /// Calibration source: `default`, a .txt or .jsonl file, or a folder; append `:WEIGHT` to mix
-    /// several (repeatable).
-    #[arg(long, default_values_t = vec!["default".to_string()])]
-    pub calib: Vec<String>,
-    /// Output folder (written as <out>.partial, renamed when complete).
-    #[arg(long)]
-    pub out: PathBuf,
-    /// Bits per weight: 2, 3, 4 or 8 (Marlin serves 4 and 8; 2 and 3 use the engines' gptq kernel).
-    #[arg(long, default_value_t = Bits::B4)]
-    pub bits: Bits,
-    /// Columns per quantization group (-1: one group per row).
-    #[arg(long, default_value_t = GroupSize::G128, allow_hyphen_values = true)]
-    pub group_size: GroupSize,
-    /// Column order of the solve: static (act-order with fixed groups, trivial g_idx),
-    /// dynamic (desc_act with permuted g_idx) or off.
-    #[arg(long, value_enum, default_value_t = ActOrder::Static)]
-    pub act_order: ActOrder,
-    /// Asymmetric quantization (zero points); not servable by gptq_marlin.
-    #[arg(long)]
-    pub asym: bool,
-    /// Initial damping as a fraction of mean(diag H), in (0, 1); doubled on a failed factorization.
-    #[arg(long, default_value_t = 0.01, value_parser = parse_damp)]
-    pub damp: f64,
-    /// Precision of each Hessian's Cholesky factorization and inverse: auto (f64 on the CPU and
-    /// on GPUs with a useful FP64 rate, f32 on RTX, L40S and workstation cards), f64 or f32.
-    #[arg(long, value_enum, default_value_t = crate::scheme::FactorPrecision::Auto)]
-    pub factor_precision: crate::scheme::FactorPrecision,
-    /// Calibration windows.
-    #[arg(long, default_value_t = 128, value_parser = parse_positive)]
-    pub nsamples: usize,
-    /// Tokens per calibration window, or MIN..MAX for lengths drawn log-uniformly between two
-    /// (long-context calibration, docs/calibration.md); at most max_position_embeddings.
-    #[arg(long, default_value = "2048")]
-    pub seqlen: crate::calib::SeqLen,
-    /// When MiniCPM-SALA's sparse layers run InfLLM-v2: auto (as the official code: from
-    /// sparse_config.dense_len on), always (as SGLang serves with dense-as-sparse) or never
-    /// (dense attention, as the vLLM ports compute them).
-    #[arg(long, value_enum, default_value_t = SparseAttention::Auto)]
-    pub sparse_attention: SparseAttention,
-
-    /// Seed for drawing calibration windows.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Keep modules whose full name matches this regex in BF16 (repeatable).
-    #[arg(long)]
-    pub skip: Vec<String>,
-    /// Per-module bits and group sizes: a JSON file with a GPTQModel `dynamic` object
-    /// (`"+:REGEX": {"bits": 8}`, `"-:REGEX": {}` for 16 bits), e.g. from `sensitivity
-    /// --plan-out` (docs/usage.md, Mixed precision).
-    #[arg(long)]
-    pub plan: Option<PathBuf>,
-    /// Accept --plan rules that change nothing (that match no module, or only modules --skip or
-    /// earlier rules decide); without it such a plan is refused, naming them.
-    #[arg(long, requires = "plan")]
-    pub allow_unmatched_rules: bool,
-    #[command(flatten)]
-    pub compute: DeviceArgs,
-    /// Take all Hessians of a layer from the unquantized layer.
-    #[arg(long)]
-    pub no_true_sequential: bool,
-    /// Search each group's clipping range by MSE (grid 100, shrink to 0.8): the default.
-    #[arg(long, overrides_with = "no_mse")]
-    pub mse: bool,
-    /// Plain min/max ranges instead of the MSE search (vanilla GPTQ's quantizer).
-    #[arg(long, overrides_with = "mse")]
-    pub no_mse: bool,
-    /// After the solve, refit each row's group scales by least squares under the Hessian
-    /// (codes unchanged; docs/algorithm.md, Scale refit).
-    #[arg(long)]
-    pub refit: bool,
-    /// Save every Hessian (safetensors) into this folder.
-    #[arg(long)]
-    pub save_hessians: Option<PathBuf>,
-    /// Re-solve from Hessians saved by an earlier --save-hessians run (no calibration forward).
-    #[arg(long, conflicts_with = "save_hessians")]
-    pub load_hessians: Option<PathBuf>,
-    /// Continue an interrupted run from its last finished layer.
-    #[arg(long)]
-    pub resume: bool,
-    /// Replace --out if it exists.
-    #[arg(long)]
-    pub force: bool,
-    /// Compare perplexity against the source model at the end (on the embedded evaluation text).
-    #[arg(long)]
-    pub verify: bool,
-    /// gptq; gptaq (GPTQ on the asymmetric objective: the full-precision model's inputs as the
-    /// target, a second forward stream; docs/algorithm.md, GPTAQ); or rtn (round-to-nearest
-    /// baseline through the same writer).
-    #[arg(long, value_enum, default_value_t = Method::Gptq)]
-    pub method: Method,
-    /// GPTAQ: the share of the asymmetric correction applied, in [0, 1] (0 is GPTQ).
-    #[arg(long, default_value_t = 1.0, value_parser = parse_alpha)]
-    pub gptaq_alpha: f64,
-    /// Calibration windows per forward batch (at most 65,536 tokens a batch; a longer window
-    /// is a batch of its own).
-    #[arg(long, default_value_t = 8, value_parser = parse_positive)]
-    pub batch: usize,
-    /// Use at most this many GB of GPU memory: the hidden states move to host memory and the
-    /// layer caches are recomputed as needed (docs/usage.md, Memory).
-    #[arg(long, value_parser = parse_gb)]
-    pub max_gpu_memory: Option<f64>,
-    /// Keep at most this many GB of activations in host memory; the rest spills to disk under
-    /// the output's partial folder.
-    #[arg(long, value_parser = parse_gb)]
-    pub max_host_memory: Option<f64>,
-    /// Largest output shard in bytes.
-    #[arg(long, default_value_t = DEFAULT_SHARD_BYTES, value_parser = parse_shard_size)]
-    pub shard_size: u64,
-    /// The serving engine the output is written for and checked against before the run and
-    /// before it is committed (docs/engines.md); `none` applies no engine's rules and checks
-    /// nothing (for checkpoints made to be evaluated, e.g. 3-bit MiniCPM-SALA).
-    #[arg(long, value_parser = engine_or_none(), default_value = "sglang")]
-    pub engine: std::option::Option<Engine>,
+    pub settings: crate::quantize::Settings,
     #[command(flatten)]
     pub print: Print,
-    /// Testing aid: fail after this many layers (leaves a resumable <out>.partial).
-    #[arg(long, hide = true)]
-    pub stop_after_layers: Option<usize>,
 }
 
 /// `--engine` of `inspect`: the serving engine whose load is emulated. (Implemented here
@@ -322,33 +197,6 @@ impl ValueEnum for Engine {
     }
 }
 
-/// `--engine` of the commands that write a checkpoint: an engine, or `none` (no engine's rules
-/// applied, no load check: for checkpoints made to be evaluated, not served). The field is
-/// spelled `std::option::Option` so that clap takes `none` as a value instead of making the
-/// flag optional.
-fn engine_or_none() -> impl TypedValueParser<Value = Option<Engine>> {
-    let names = Engine::ALL.map(Engine::name).into_iter().chain(["none"]);
-    PossibleValuesParser::new(names).map(|s| Engine::ALL.into_iter().find(|e| e.name() == s))
-}
-
-fn parse_damp(s: &str) -> std::result::Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(d) if crate::gptq::valid_damp(d) => Ok(d),
-        _ => Err(format!(
-            "{s} is not a damping fraction: use a number in (0, 1), e.g. 0.01"
-        )),
-    }
-}
-
-fn parse_alpha(s: &str) -> std::result::Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(a) if (0.0..=1.0).contains(&a) => Ok(a),
-        _ => Err(format!(
-            "{s} is not a GPTAQ share: use a number in [0, 1], e.g. 1 or 0.25"
-        )),
-    }
-}
-
 /// A usage error found after parsing (a combination of options): the message, exit code 2, as
 /// clap's own, before any work.
 fn usage_error(msg: impl std::fmt::Display) -> ! {
@@ -358,23 +206,9 @@ fn usage_error(msg: impl std::fmt::Display) -> ! {
         .exit()
 }
 
-fn parse_shard_size(s: &str) -> std::result::Result<u64, String> {
-    match s.parse::<u64>() {
-        Ok(n) if n > 0 => Ok(n),
-        _ => Err(format!("{s} is not a positive number of bytes")),
-    }
-}
-
-fn parse_positive(s: &str) -> std::result::Result<usize, String> {
-    match s.parse::<usize>() {
-        Ok(n) if n > 0 => Ok(n),
-        _ => Err(format!("{s} is not a positive whole number")),
-    }
-}
-
 /// A window of tokens (calibration or evaluation): one token has no next-token prediction.
 fn parse_window(s: &str) -> std::result::Result<usize, String> {
-    match parse_positive(s)? {
+    match crate::flag::positive(s)? {
         1 => Err(
             "1 token is not a window: use at least 2 tokens (a window predicts each token from \
              the ones before it)"
@@ -438,7 +272,7 @@ pub struct SynthArgs {
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// Largest shard size in bytes.
-    #[arg(long, default_value_t = DEFAULT_SHARD_BYTES, value_parser = parse_shard_size)]
+    #[arg(long, default_value_t = DEFAULT_SHARD_BYTES, value_parser = crate::flag::bytes)]
     pub shard_size: u64,
     /// Replace --out if it exists.
     #[arg(long)]
@@ -449,9 +283,9 @@ pub struct SynthArgs {
 #[derive(clap::Args, Debug)]
 pub struct Forward {
     #[command(flatten)]
-    pub compute: DeviceArgs,
+    pub device: DeviceArgs,
     /// Windows per forward batch.
-    #[arg(long, default_value_t = 4, value_parser = parse_positive)]
+    #[arg(long, default_value_t = 4, value_parser = crate::flag::positive)]
     pub batch: usize,
 }
 
@@ -483,74 +317,10 @@ fn text_name(data: &str) -> String {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Quantize(a) => {
-            if a.method == Method::Gptaq {
-                if a.no_true_sequential {
-                    usage_error(
-                        "--method gptaq needs true-sequential calibration (each group's \
-                         quantized-model input after the groups before it): drop \
-                         --no-true-sequential",
-                    );
-                }
-                if a.load_hessians.is_some() {
-                    usage_error(
-                        "--method gptaq cannot --load-hessians: saved files hold the Hessian \
-                         only, not GPTAQ's cross term; calibrate instead",
-                    );
-                }
-            } else if a.gptaq_alpha != 1.0 {
-                usage_error("--gptaq-alpha applies to --method gptaq only");
+            if let Some(msg) = a.settings.usage_error() {
+                usage_error(msg);
             }
-            if a.refit && a.method == Method::Rtn {
-                usage_error(
-                    "--refit fits scales under the Hessian, which --method rtn does not compute: \
-                     use it with --method gptq or gptaq",
-                );
-            }
-            let (device, dtype) = a.compute.open()?;
-            let factor_precision =
-                crate::quantize::resolve_factor_precision(a.factor_precision, &device)?;
-            let opts = crate::quantize::QuantizeOptions {
-                model: a.source.model.clone(),
-                revision: a.source.revision.clone(),
-                calib: a
-                    .calib
-                    .iter()
-                    .map(|c| crate::calib::CalibSpec::parse(c))
-                    .collect::<Result<_>>()?,
-                out: a.out.clone(),
-                bits: a.bits,
-                group_size: a.group_size,
-                act_order: a.act_order,
-                sym: !a.asym,
-                damp: a.damp,
-                nsamples: a.nsamples,
-                seqlen: a.seqlen,
-                sparse_attention: a.sparse_attention,
-                seed: a.seed,
-                skip: a.skip.clone(),
-                plan: a.plan.clone(),
-                allow_unmatched_rules: a.allow_unmatched_rules,
-                dtype,
-                device,
-                true_sequential: !a.no_true_sequential,
-                mse: !a.no_mse,
-                refit: a.refit,
-                save_hessians: a.save_hessians.clone(),
-                load_hessians: a.load_hessians.clone(),
-                resume: a.resume,
-                force: a.force,
-                method: a.method,
-                gptaq_alpha: a.gptaq_alpha,
-                batch: a.batch,
-                factor_precision,
-                max_gpu_memory: a.max_gpu_memory,
-                max_host_memory: a.max_host_memory,
-                shard_bytes: a.shard_size,
-                stop_after_layers: a.stop_after_layers,
-                engine: a.engine,
-                verify: a.verify,
-            };
-            let report = crate::quantize::quantize(&opts)?;
+            let report = crate::quantize::quantize(&a.settings)?;
             if a.print.json {
                 crate::outln!("{}", serde_json::to_string_pretty(&report)?);
             } else {
@@ -681,7 +451,7 @@ fn run(cli: Cli) -> Result<()> {
             inputs.extend(guard::model_inputs("--model", &src.dir));
             inputs.extend(guard::model_inputs("--quantized", &a.quantized));
             let plan_out = check_plan_out(&inputs)?;
-            let (device, dtype) = a.forward.compute.open()?;
+            let (device, dtype) = a.forward.device.open()?;
             let opts = crate::sensitivity::SensitivityOptions {
                 eval: PplOptions {
                     seqlen: a.seqlen,
@@ -729,7 +499,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::EvalPpl(a) => {
             let src = a.source.resolve()?;
-            let (device, dtype) = a.forward.compute.open()?;
+            let (device, dtype) = a.forward.device.open()?;
             let opts = PplOptions {
                 seqlen: a.seqlen,
                 max_windows: a.max_windows,

@@ -17,7 +17,7 @@ fn kind(module: &str) -> String {
 /// The card names neither the output folder nor the machine, so that the same inputs and flags
 /// give the same card wherever the output is written.
 pub fn model_card(r: &QuantizeReport, verify: Option<&CompareReport>) -> String {
-    let s = &r.settings;
+    let s = &r.settings.flags;
     let source_id = r
         .model
         .split_once('@')
@@ -170,7 +170,7 @@ pub fn model_card(r: &QuantizeReport, verify: Option<&CompareReport>) -> String 
             format!(
                 "`--sparse-attention {}`: {}",
                 s.sparse_attention.name(),
-                if s.sparse_path {
+                if r.settings.sparse_path {
                     "InfLLM-v2 ran in calibration"
                 } else {
                     "dense attention in calibration (every window below sparse_config.dense_len)"

@@ -15,150 +15,25 @@ mod journal;
 mod layers;
 pub mod plan;
 mod report;
+pub mod settings;
 pub mod stages;
 mod stream;
 
-use crate::calib::{self, CalibSpec, ChatFormat, SeqLen};
+use crate::calib::{self, CalibSpec, ChatFormat};
 use crate::checkpoint::guard::{self, InputPath};
 use crate::checkpoint::writer::{self, OutputDir, TensorSpec};
 use crate::checkpoint::{Checkpoint, Dtype};
 use crate::engine::{self, config::ConfigEdits, Engine};
-use crate::format::quantized::GptqConfig;
-use crate::gptq::QuantParams;
 use crate::model::AnyConfig;
-use crate::scheme::{ActOrder, Bits, GroupSize, QuantFormat};
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::{DType, Device};
+use candle_core::Device;
 use journal::Journal;
 pub use report::{ModuleRow, QuantizeReport};
+pub use settings::{Compute, Method, Recorded, Settings};
 use stages::{Preflight, Stages};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum Method {
-    Gptq,
-    /// GPTQ on GPTAQ's asymmetric objective: the full-precision model's inputs as the target
-    /// (docs/algorithm.md, GPTAQ).
-    Gptaq,
-    Rtn,
-}
-
-impl Method {
-    /// Whether the method calibrates (Hessians from the model's inputs).
-    pub fn uses_hessians(self) -> bool {
-        self != Method::Rtn
-    }
-}
-
-#[derive(Debug, Clone)]
-pub struct QuantizeOptions {
-    pub model: String,
-    pub revision: Option<String>,
-    pub calib: Vec<CalibSpec>,
-    pub out: PathBuf,
-    pub bits: Bits,
-    pub group_size: GroupSize,
-    pub act_order: ActOrder,
-    pub sym: bool,
-    pub damp: f64,
-    pub nsamples: usize,
-    /// Each window's length: one, or a log-uniform mix (`--seqlen MIN..MAX`).
-    pub seqlen: SeqLen,
-    /// When MiniCPM-SALA's sparse layers run InfLLM-v2 (`--sparse-attention`).
-    pub sparse_attention: crate::model::SparseAttention,
-    pub seed: u64,
-    pub skip: Vec<String>,
-    /// Per-module bits and group sizes (`--plan`: a JSON file with GPTQModel `dynamic` rules).
-    pub plan: Option<PathBuf>,
-    /// Accept `--plan` rules that decide no module (else they are refused).
-    pub allow_unmatched_rules: bool,
-    pub device: Device,
-    pub dtype: DType,
-    pub true_sequential: bool,
-    pub mse: bool,
-    /// Refit the group scales by least squares under the Hessian once the codes are fixed.
-    pub refit: bool,
-    pub save_hessians: Option<PathBuf>,
-    /// Solve with Hessians saved by an earlier `--save-hessians` run instead of calibrating.
-    pub load_hessians: Option<PathBuf>,
-    pub resume: bool,
-    pub force: bool,
-    pub method: Method,
-    /// GPTAQ's share of the asymmetric correction (`--gptaq-alpha`).
-    pub gptaq_alpha: f64,
-    /// Calibration windows per forward batch.
-    pub batch: usize,
-    /// The Hessians' factorization precision (`--factor-precision`; `Auto` is resolved for the
-    /// device by [`resolve_factor_precision`] before the run).
-    pub factor_precision: crate::scheme::FactorPrecision,
-    /// Caps on the GPU memory and the host memory (GB) the activations may use
-    /// (`--max-gpu-memory`, `--max-host-memory`; docs/algorithm.md, Streaming the calibration).
-    pub max_gpu_memory: Option<f64>,
-    pub max_host_memory: Option<f64>,
-    pub shard_bytes: u64,
-    /// Stop (with an error) after this many layers: for testing `--resume`.
-    pub stop_after_layers: Option<usize>,
-    /// The serving engine the output is written for and checked against (`None`: no engine's
-    /// rules, no check).
-    pub engine: Option<Engine>,
-    /// Score the source and the output on the embedded evaluation text before committing.
-    pub verify: bool,
-}
-
-impl QuantizeOptions {
-    /// The layout the output is written in: symmetric zeros fit GPTQ v1 (what every engine
-    /// reads); asymmetric ones may be 0, which only v2 stores.
-    pub fn layout(&self) -> QuantFormat {
-        if self.sym {
-            QuantFormat::GptqV1
-        } else {
-            QuantFormat::GptqV2
-        }
-    }
-}
-
-/// Settings that determine the output; hashed into the journal and recorded in the report.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct Settings {
-    pub method: Method,
-    /// GPTAQ's share of the correction (only with `--method gptaq`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub gptaq_alpha: Option<f64>,
-    pub bits: Bits,
-    pub group_size: GroupSize,
-    pub act_order: ActOrder,
-    pub sym: bool,
-    pub damp: f64,
-    /// f64 or f32 (`--factor-precision`, resolved for the device).
-    pub factor_precision: crate::scheme::FactorPrecision,
-    pub mse: bool,
-    /// Least-squares scale refit after the solve (`--refit`).
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
-    pub refit: bool,
-    pub true_sequential: bool,
-    pub nsamples: usize,
-    pub seqlen: SeqLen,
-    /// `--sparse-attention`, and whether the sparse layers ran InfLLM-v2 on some window.
-    pub sparse_attention: crate::model::SparseAttention,
-    pub sparse_path: bool,
-    pub seed: u64,
-    pub skip: Vec<String>,
-    /// What `--plan` changes: `module=bits/group` or `module=keep` for every Linear it moves
-    /// off the default scheme (empty without `--plan`).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub plan: Vec<String>,
-    pub calib: Vec<String>,
-    pub dtype: String,
-    pub device_kind: &'static str,
-    /// Calibration windows per forward batch: it sets the order in which XᵀX sums, so the bits
-    /// of the output depend on it.
-    pub batch: usize,
-    /// Hessians loaded from this folder instead of calibrating (`--load-hessians`).
-    pub load_hessians: Option<String>,
-}
 
 /// Peak resident memory of this process in bytes (VmHWM), where the OS reports it.
 pub fn peak_rss_bytes() -> Option<u64> {
@@ -169,35 +44,34 @@ pub fn peak_rss_bytes() -> Option<u64> {
 }
 
 /// Every path `quantize` reads besides the model: calibration files and folders, saved Hessians.
-fn side_inputs(opts: &QuantizeOptions) -> Vec<InputPath> {
-    let mut v: Vec<InputPath> = opts
-        .calib
+fn side_inputs(s: &Settings, calib: &[CalibSpec]) -> Vec<InputPath> {
+    let mut v: Vec<InputPath> = calib
         .iter()
         .filter(|c| c.path != "default")
         .map(|c| InputPath::new("--calib", &c.path))
         .collect();
     v.extend(
-        opts.load_hessians
+        s.load_hessians
             .iter()
             .map(|d| InputPath::new("--load-hessians", d)),
     );
-    v.extend(opts.plan.iter().map(|p| InputPath::new("--plan", p)));
+    v.extend(s.plan.iter().map(|p| InputPath::new("--plan", p)));
     v
 }
 
 /// What `--save-hessians` and its files may not be: the inputs, `--out` and its partial folder.
-fn hessian_guard(opts: &QuantizeOptions, inputs: &[InputPath]) -> Vec<InputPath> {
+fn hessian_guard(s: &Settings, inputs: &[InputPath]) -> Vec<InputPath> {
     let mut all = inputs.to_vec();
-    all.push(InputPath::new("--out", &opts.out));
-    all.push(InputPath::new("--out", writer::partial_path(&opts.out)));
+    all.push(InputPath::new("--out", &s.out));
+    all.push(InputPath::new("--out", writer::partial_path(&s.out)));
     all
 }
 
 /// `--save-hessians` is an output too: it may not alias an input or `--out`, and an existing
 /// folder that holds files is written into only with `--force` (or `--resume`, which continues
 /// the run that filled it).
-fn check_hessian_dir(dir: &Path, opts: &QuantizeOptions, inputs: &[InputPath]) -> Result<()> {
-    guard::check_output("--save-hessians", dir, &[], &hessian_guard(opts, inputs))?;
+fn check_hessian_dir(dir: &Path, s: &Settings, inputs: &[InputPath]) -> Result<()> {
+    guard::check_output("--save-hessians", dir, &[], &hessian_guard(s, inputs))?;
     if let Some(m) = std::fs::metadata(dir).ok().filter(|m| !m.is_dir()) {
         bail!(
             "--save-hessians {} is {}, not a folder: give a folder for the Hessian files (it is \
@@ -210,7 +84,7 @@ fn check_hessian_dir(dir: &Path, opts: &QuantizeOptions, inputs: &[InputPath]) -
             }
         );
     }
-    if dir.exists() && !opts.force && !opts.resume {
+    if dir.exists() && !s.force && !s.resume {
         let used = std::fs::read_dir(dir)
             .with_context(|| format!("cannot list --save-hessians {}", dir.display()))?
             .next()
@@ -226,16 +100,14 @@ fn check_hessian_dir(dir: &Path, opts: &QuantizeOptions, inputs: &[InputPath]) -
     Ok(())
 }
 
-pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
+pub fn quantize(opts: &Settings) -> Result<QuantizeReport> {
     let t0 = Instant::now();
+    let compute = Compute::open(opts)?;
+    let calib_specs = opts.calib_specs()?;
     // The output is checked against the inputs before anything is read or downloaded (for a
     // hub model, against its folder in the cache); again below with the resolved files.
-    let mut inputs = side_inputs(opts);
-    if let Some(repo_dir) = crate::source::cache_repo_dir(&opts.model) {
-        inputs.push(InputPath::new("--model", repo_dir));
-    } else {
-        inputs.push(InputPath::new("--model", &opts.model));
-    }
+    let mut inputs = side_inputs(opts, &calib_specs);
+    inputs.push(InputPath::new("--model", opts.source.local_path()));
     guard::check_output(
         "--out",
         &opts.out,
@@ -245,7 +117,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     if let Some(dir) = &opts.save_hessians {
         check_hessian_dir(dir, opts, &inputs)?;
     }
-    let src = crate::source::resolve(&opts.model, opts.revision.as_deref())?;
+    let src = opts.source.resolve()?;
     inputs.extend(guard::model_inputs("--model", &src.dir));
     if let Some(q) = crate::format::quantized::read_quant_info(&src.dir)? {
         bail!(
@@ -270,12 +142,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         .map_err(|e| anyhow!("cannot load {}: {e}", tok_path.display()))?;
 
     // Settings are checked before any heavy work.
-    let quant = QuantParams {
-        bits: opts.bits.get(),
-        group_size: opts.group_size,
-        sym: opts.sym,
-        mse: opts.mse,
-    };
+    let quant = opts.quant_params();
     quant.validate().context("invalid quantization settings")?;
     cfg.check_length(opts.seqlen.max())
         .with_context(|| format!("--seqlen {} is too long for this model", opts.seqlen))?;
@@ -309,39 +176,13 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         );
     }
     let layout = opts.layout();
-    let settings = Settings {
-        method: opts.method,
-        gptaq_alpha: (opts.method == Method::Gptaq).then_some(opts.gptaq_alpha),
-        bits: opts.bits,
-        group_size: opts.group_size,
-        act_order: opts.act_order,
-        sym: opts.sym,
-        damp: opts.damp,
-        factor_precision: opts.factor_precision,
-        mse: opts.mse,
-        refit: opts.refit,
-        true_sequential: opts.true_sequential,
-        nsamples: opts.nsamples,
-        seqlen: opts.seqlen,
-        sparse_attention: opts.sparse_attention,
-        sparse_path: cfg.sparse_runs(opts.seqlen.max()),
-        batch: opts.batch,
-        seed: opts.seed,
-        skip: opts.skip.clone(),
-        plan: if rules.is_empty() {
-            vec![]
-        } else {
-            plan.overrides()
-        },
-        calib: opts
-            .calib
-            .iter()
-            .map(|c| format!("{}:{}", c.path, c.weight))
-            .collect(),
-        dtype: format!("{:?}", opts.dtype).to_lowercase(),
-        device_kind: if opts.device.is_cpu() { "cpu" } else { "cuda" },
-        load_hessians: opts.load_hessians.as_ref().map(|p| p.display().to_string()),
-    };
+    let settings = Recorded::new(
+        opts,
+        &compute,
+        calib_specs,
+        &plan,
+        cfg.sparse_runs(opts.seqlen.max()),
+    );
 
     // The engine check on the output as it will be written, before any work: a checkpoint the
     // engine cannot load is refused now rather than after the run.
@@ -358,7 +199,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     let specs = output_specs(&cfg, &ck, &plan)?;
     let side = writer::side_files(&src.dir)?;
     if let Some(target) = opts.engine {
-        let qc = quantization_config(opts, &settings, &plan, opts.damp, serde_json::json!([]), "")?;
+        let qc = settings.quantization_config(&plan, opts.damp, serde_json::json!([]), "")?;
         let (config, _) = output_config(&src_config, &qc, opts.engine);
         let view = planned_view(&src.dir, &config, &specs, &side);
         let check = engine::check(&view, target, false)?;
@@ -390,8 +231,8 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         opts.nsamples,
         opts.seqlen,
         opts.batch,
-        opts.dtype,
-        &opts.device,
+        compute.dtype,
+        &compute.device,
         opts.true_sequential,
         opts.method,
         opts.mse,
@@ -399,7 +240,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     eprintln!("{}", preflight.line());
     // Refused now rather than dying midway: less memory than one layer and one batch need, or
     // more disk than the output's filesystem has.
-    let memory = memory_plan(&preflight, opts)?;
+    let memory = memory_plan(&preflight, opts, &compute.device)?;
     eprintln!("{}", memory.line());
     let spill = if memory.residency.states == layers::store::Tier::Disk {
         memory.states_bytes
@@ -440,7 +281,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
 
     // Calibration.
     let chat = ChatFormat::from_model_dir(&src.dir)?;
-    let sources = calib::load_sources(&opts.calib, &chat)?;
+    let sources = calib::load_sources(&settings.calib, &chat)?;
     let calib = calib::build_windows(
         &sources,
         &tokenizer,
@@ -486,8 +327,8 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     }
 
     #[cfg(feature = "cuda")]
-    if opts.device.is_cuda() {
-        crate::kernels::cuda::keep_pool_memory(&opts.device)?;
+    if compute.device.is_cuda() {
+        crate::kernels::cuda::keep_pool_memory(&compute.device)?;
     }
     let mut stages = Stages {
         setup: t0.elapsed().as_secs_f64(),
@@ -499,10 +340,11 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         let (feed, rx) = stream::channel();
         let (specs, ck_ref, jdir_ref) = (&specs, &ck, &jdir);
         let writer = s.spawn(move || {
-            stream::write_stream(&out_dir, specs, opts.shard_bytes, ck_ref, jdir_ref, rx)
+            stream::write_stream(&out_dir, specs, opts.shard_size, ck_ref, jdir_ref, rx)
         });
         let result = layers::LayerRun {
             opts,
+            compute: &compute,
             cfg: &cfg,
             ck: &ck,
             windows: &calib.windows,
@@ -573,9 +415,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
             .iter()
             .flat_map(|l| l.rows.iter().filter(|r| r.quantized).map(|r| r.damp))
             .fold(0.0, f64::max);
-        let qc = quantization_config(
-            opts,
-            &settings,
+        let qc = settings.quantization_config(
             &plan,
             damp_max,
             serde_json::to_value(&calib.usage)?,
@@ -605,8 +445,8 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
                 seqlen: opts.seqlen.min().min(512),
                 max_windows: Some(16),
                 bos: false,
-                dtype: opts.dtype,
-                device: opts.device.clone(),
+                dtype: compute.dtype,
+                device: compute.device.clone(),
                 batch: opts.batch,
                 sparse_attention: opts.sparse_attention,
                 text_name: "the built-in evaluation text".to_string(),
@@ -665,7 +505,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
         report.stages = Some(stages);
         report.preflight = Some(preflight);
         report.gpu_memory =
-            stages::gpu_memory(&opts.device)?.map(|(used, reserved, now)| report::GpuMemory {
+            stages::gpu_memory(&compute.device)?.map(|(used, reserved, now)| report::GpuMemory {
                 pool_peak_used_bytes: used,
                 pool_peak_reserved_bytes: reserved,
                 in_use_at_end_bytes: now,
@@ -692,39 +532,15 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     Ok(report)
 }
 
-/// `--factor-precision auto` for `device`: f64 on the CPU and on GPUs whose FP64 rate is at
-/// least 1/8 of their FP32 rate (A100, H100, H200, B200), f32 on the others (RTX, L40S,
-/// workstation Blackwell cards: 1/32 to 1/64), where the f64 factorizations of a 9.5B model
-/// would take minutes.
-pub fn resolve_factor_precision(
-    p: crate::scheme::FactorPrecision,
-    device: &Device,
-) -> Result<crate::scheme::FactorPrecision> {
-    use crate::scheme::FactorPrecision as F;
-    if p != F::Auto {
-        return Ok(p);
-    }
-    if device.is_cpu() {
-        return Ok(F::F64);
-    }
-    #[cfg(feature = "cuda")]
-    {
-        let ratio = crate::kernels::cuda::fp32_to_fp64_ratio(device)?;
-        Ok(if ratio > 8 { F::F32 } else { F::F64 })
-    }
-    #[cfg(not(feature = "cuda"))]
-    Ok(F::F64)
-}
-
 /// Where the run keeps its activations, from the preflight's estimate and the memory the
 /// device (and on a GPU, the host) offers; refused when not even one layer and one batch fit.
-fn memory_plan(p: &Preflight, opts: &QuantizeOptions) -> Result<stages::MemoryPlan> {
+fn memory_plan(p: &Preflight, opts: &Settings, device: &Device) -> Result<stages::MemoryPlan> {
     let gb = |x: Option<f64>| x.map(|g| (g * 1e9) as u64);
-    let cuda = opts.device.is_cuda();
+    let cuda = device.is_cuda();
     let device_free = if cuda {
         #[cfg(feature = "cuda")]
         {
-            crate::kernels::cuda::memory_free(&opts.device).ok()
+            crate::kernels::cuda::memory_free(device).ok()
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -760,66 +576,6 @@ fn host_available_bytes() -> Option<u64> {
     let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
-}
-
-/// `quantization_config` of the output. `damp_max` and the calibration fields are the run's;
-/// before the run (the engine pre-check) placeholders of the same shape stand in.
-fn quantization_config(
-    opts: &QuantizeOptions,
-    s: &Settings,
-    plan: &plan::Plan,
-    damp_max: f64,
-    calib_usage: serde_json::Value,
-    calib_sha256: &str,
-) -> Result<serde_json::Value> {
-    let mut meta = serde_json::json!({
-        "quantizer": [format!("soar-gptq:{}", env!("CARGO_PKG_VERSION"))],
-        "method": s.method,
-        "act_order": s.act_order,
-        "damp_percent": opts.damp,
-        "damp_max_used": damp_max,
-        "mse": opts.mse,
-        "true_sequential": opts.true_sequential,
-        "static_groups": opts.act_order.static_groups(),
-        "nsamples": opts.nsamples,
-        "seqlen": opts.seqlen,
-        "seed": opts.seed,
-        "engine": opts.engine.map_or("none", Engine::name),
-        "calibration": calib_usage,
-        "calibration_sha256": calib_sha256,
-    });
-    if let Some(alpha) = s.gptaq_alpha {
-        meta["gptaq_alpha"] = serde_json::json!(alpha);
-    }
-    // Recorded where it mattered: a mode chosen by hand, or windows long enough for InfLLM-v2.
-    if s.sparse_path || s.sparse_attention != crate::model::SparseAttention::Auto {
-        meta["sparse_attention"] = serde_json::json!(s.sparse_attention);
-        meta["sparse_path"] = serde_json::json!(s.sparse_path);
-    }
-    if opts.refit {
-        meta["refit"] = serde_json::json!(true);
-    }
-    if s.factor_precision == crate::scheme::FactorPrecision::F32 {
-        meta["factor_precision"] = serde_json::json!("f32");
-    }
-    // transformers ignores `dynamic`: it needs the quantized modules listed.
-    let modules_in_block_to_quantize = (opts.engine == Some(Engine::Transformers)
-        && plan.any_kept())
-    .then(|| plan.quantized().into_iter().map(|(n, _)| n).collect());
-    let qc = GptqConfig {
-        bits: opts.bits.get(),
-        group_size: opts.group_size,
-        sym: opts.sym,
-        desc_act: opts.act_order.desc_act(),
-        static_groups: opts.act_order.static_groups(),
-        format: opts.layout(),
-        damp_percent: opts.damp,
-        true_sequential: opts.true_sequential,
-        dynamic: plan.dynamic(&opts.skip)?,
-        modules_in_block_to_quantize,
-        meta,
-    };
-    Ok(qc.to_json())
 }
 
 /// The output's tensors in the order they are written: the source's, with every quantized

@@ -12,6 +12,7 @@ const LAYERS: &[&[&str]] = &[
     &[
         "device",
         "fault",
+        "flag",
         "interrupt",
         "output",
         "progress",

@@ -74,7 +74,9 @@ fn main() {
         .iter()
         .map(|a| format!("-gencode=arch=compute_{a},code=sm_{a}"))
         .collect();
-    gencodes.push(format!("-gencode=arch=compute_{lowest},code=compute_{lowest}"));
+    gencodes.push(format!(
+        "-gencode=arch=compute_{lowest},code=compute_{lowest}"
+    ));
     std::thread::scope(|s| {
         let jobs: Vec<_> = KERNELS
             .iter()

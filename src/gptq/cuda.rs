@@ -19,7 +19,7 @@ use cudarc::cusolver::sys as cusolver;
 use cudarc::driver::CudaSlice;
 
 use super::plan::{ParamsAt, SolvePlan};
-use super::solver::{
+use super::types::{
     check_finite_one, dead_columns_and_order, not_positive_definite, FactorData, Factorization,
     QuantizedLinear, SolveOptions, SolveTimings,
 };
@@ -51,16 +51,8 @@ pub(super) fn factorize(h: &Tensor, opts: &SolveOptions) -> Result<Factorization
     let (dead, perm) = dead_columns_and_order(&mut diag, opts.act_order);
     let mean_diag = diag.iter().map(|&d| d as f64).sum::<f64>() / k as f64;
     trace.lap("diag + order")?;
-    let (u, damp_used) = inverse_cholesky_upper(
-        dev,
-        &h,
-        k,
-        &perm,
-        opts.damp,
-        mean_diag,
-        opts.factor,
-        module,
-    )?;
+    let (u, damp_used) =
+        inverse_cholesky_upper(dev, &h, k, &perm, opts.damp, mean_diag, opts.factor, module)?;
     stream.synchronize()?;
     Ok(Factorization {
         k,

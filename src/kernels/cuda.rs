@@ -676,8 +676,7 @@ fn trsm_identity(
     real: Real,
 ) -> Result<()> {
     use cublas::{
-        cublasDiagType_t as D, cublasFillMode_t as F, cublasOperation_t as T,
-        cublasSideMode_t as S,
+        cublasDiagType_t as D, cublasFillMode_t as F, cublasOperation_t as T, cublasSideMode_t as S,
     };
     let at = |base: u64| base + ((o + o * k) * real.bytes()) as u64;
     let (side, fill, op, diag) = (
@@ -689,14 +688,34 @@ fn trsm_identity(
     let status = match real {
         Real::F64 => unsafe {
             cublas::cublasDtrsm_v2(
-                handle, side, fill, op, diag, m as i32, m as i32, &1.0f64,
-                at(l) as *const f64, k as i32, at(x) as *mut f64, k as i32,
+                handle,
+                side,
+                fill,
+                op,
+                diag,
+                m as i32,
+                m as i32,
+                &1.0f64,
+                at(l) as *const f64,
+                k as i32,
+                at(x) as *mut f64,
+                k as i32,
             )
         },
         Real::F32 => unsafe {
             cublas::cublasStrsm_v2(
-                handle, side, fill, op, diag, m as i32, m as i32, &1.0f32,
-                at(l) as *const f32, k as i32, at(x) as *mut f32, k as i32,
+                handle,
+                side,
+                fill,
+                op,
+                diag,
+                m as i32,
+                m as i32,
+                &1.0f32,
+                at(l) as *const f32,
+                k as i32,
+                at(x) as *mut f32,
+                k as i32,
             )
         },
     };
@@ -725,14 +744,38 @@ fn trmm(
     let status = match real {
         Real::F64 => unsafe {
             cublas::cublasDtrmm_v2(
-                handle, side, fill, op, diag, m as i32, n as i32, &alpha, a as *const f64,
-                ld as i32, b as *const f64, ld as i32, c as *mut f64, ld as i32,
+                handle,
+                side,
+                fill,
+                op,
+                diag,
+                m as i32,
+                n as i32,
+                &alpha,
+                a as *const f64,
+                ld as i32,
+                b as *const f64,
+                ld as i32,
+                c as *mut f64,
+                ld as i32,
             )
         },
         Real::F32 => unsafe {
             cublas::cublasStrmm_v2(
-                handle, side, fill, op, diag, m as i32, n as i32, &(alpha as f32),
-                a as *const f32, ld as i32, b as *const f32, ld as i32, c as *mut f32, ld as i32,
+                handle,
+                side,
+                fill,
+                op,
+                diag,
+                m as i32,
+                n as i32,
+                &(alpha as f32),
+                a as *const f32,
+                ld as i32,
+                b as *const f32,
+                ld as i32,
+                c as *mut f32,
+                ld as i32,
             )
         },
     };
@@ -764,9 +807,29 @@ fn lower_inverse_rec(
     let l21 = at(l, o + m1, o);
     use cublas::cublasSideMode_t as S;
     // X21 = L21 · X11 (X11 lower triangular, on the right).
-    trmm(handle, S::CUBLAS_SIDE_RIGHT, (m2, m1), 1.0, x11, l21, x21, k, real)?;
+    trmm(
+        handle,
+        S::CUBLAS_SIDE_RIGHT,
+        (m2, m1),
+        1.0,
+        x11,
+        l21,
+        x21,
+        k,
+        real,
+    )?;
     // X21 = −X22 · X21 (X22 lower triangular, on the left; in place).
-    trmm(handle, S::CUBLAS_SIDE_LEFT, (m2, m1), -1.0, x22, x21, x21, k, real)
+    trmm(
+        handle,
+        S::CUBLAS_SIDE_LEFT,
+        (m2, m1),
+        -1.0,
+        x22,
+        x21,
+        x21,
+        k,
+        real,
+    )
 }
 
 /// GPTQ decode on the GPU: `W` `[N, K]` f32 with `W[n][k] = scale[g][n]·(code − zero)`,

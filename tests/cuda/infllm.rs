@@ -14,7 +14,6 @@
 //! (`score_row`, `select_row` and `attention_row` below are the library's per-row arithmetic,
 //! checked against it on the small cases).
 
-
 use std::collections::BTreeSet;
 use std::time::Instant;
 

@@ -2,7 +2,6 @@
 //! `--features cuda`; run on a machine with a GPU. Without one every test fails, unless
 //! `SOAR_GPTQ_SKIP_GPU_TESTS=1` says to skip them (a CUDA build checked on a GPU-less machine).
 
-
 use candle_core::{DType, Device, Tensor};
 use soar_gptq::format::{self, ModuleCodes};
 use soar_gptq::gptq::{

@@ -11,6 +11,7 @@
 //! config and side files are added and the folder renamed into place.
 
 mod card;
+mod hashes;
 mod journal;
 mod layers;
 pub mod plan;
@@ -459,7 +460,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport> {
     // Hashes that pin down the output, for the journal and the report.
     // The source shards' hashes join them when the checks finish: before a resumed run
     // compares its journal, or before a fresh run first saves one.
-    let mut hashes = journal::Hashes::new(&src.dir, BTreeMap::new(), &settings, &calib.sha256)?;
+    let mut hashes = hashes::Hashes::new(&src.dir, BTreeMap::new(), &settings, &calib.sha256)?;
     if opts.resume {
         if let Some(sums) = source_checks.finish()? {
             hashes.source_sha256 = sums;

@@ -231,7 +231,7 @@ fn module_refs(code: &str, here: &[String], children: &[String]) -> Vec<Vec<Stri
             .collect()
     };
     let mut out = vec![];
-    for (start, _) in code.match_indices(|c: char| c == 'c' || c == 's') {
+    for (start, _) in code.match_indices(['c', 's']) {
         let rest = &code[start..];
         // A path must start a token.
         if start > 0 {

@@ -214,6 +214,7 @@ for stage in "$@"; do
     [ -f $B/config.json ] || timed "$SG" synth --preset minicpm-sala-9b --out $B 2>&1 | tail -2 | tee -a "$OUT/summary.txt"
     for v in "def:" "f32:--factor-precision f32" "m24:--max-gpu-memory 24" "m16:--max-gpu-memory 16"; do
       name=${v%%:*}; flags=${v#*:}
+      [ "$name" = m16 ] && [ "${P9B_M16:-1}" = 0 ] && continue
       rm -rf /tmp/p-$name /tmp/p-$name.partial
       # shellcheck disable=SC2086
       timed "$SG" quantize --model $B --out /tmp/p-$name --device cuda $flags > /tmp/p-$name.txt 2> /tmp/p-$name.err

@@ -174,15 +174,16 @@ fn every_anchor_link_in_the_docs_names_a_heading() {
                 .chars()
                 .take_while(|c| c.is_alphanumeric() || *c == '-' || *c == '_')
                 .collect();
-            let dir = if f.starts_with(root().join("docs")) || name.contains('/') {
-                f.parent().unwrap().to_path_buf()
-            } else {
-                root().join("docs")
-            };
+            // `gpu.md#x` next to the linking file, `docs/gpu.md#x` from the top.
             let target = if name.is_empty() {
                 f.clone()
             } else {
-                dir.join(format!("{name}.md"))
+                let here = f.parent().unwrap().join(format!("{name}.md"));
+                if here.is_file() {
+                    here
+                } else {
+                    root().join("docs").join(format!("{name}.md"))
+                }
             };
             let Ok(md) = std::fs::read_to_string(&target) else {
                 missing.push(format!("{}: {name}.md#{anchor}: no such file", f.display()));

@@ -4,13 +4,13 @@
 //! rows of each finished layer. The hidden states are not stored: a resumed run regenerates them
 //! by replaying the finished layers with their stored weights, which reproduces them exactly.
 
+use super::hashes::Hashes;
 use super::report::ModuleRow;
 use super::settings::{flag_name, Recorded};
 use crate::checkpoint::writer::{self, sha256_file, TensorSpec};
 use crate::checkpoint::{Checkpoint, Dtype};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -23,16 +23,6 @@ pub struct Packed {
     pub qzeros: Vec<i32>,
     pub scales_f16: Vec<u8>,
     pub g_idx: Vec<i32>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct Hashes {
-    pub config_sha256: String,
-    /// SHA-256 of every safetensors file of the source model.
-    pub source_sha256: BTreeMap<String, String>,
-    pub calibration_sha256: String,
-    pub settings_sha256: String,
-    pub tool_version: String,
 }
 
 /// The shards' SHA-256 by file name, and the seconds the checks took.
@@ -99,26 +89,6 @@ impl SourceChecks {
                 bail!("{text}")
             }
         }
-    }
-}
-
-impl Hashes {
-    /// The hashes of a run: the source shards' (from [`source_sha256`]), its config's, the
-    /// settings' and the calibration's.
-    pub fn new(
-        src_dir: &Path,
-        source_sha256: BTreeMap<String, String>,
-        settings: &Recorded,
-        calibration_sha256: &str,
-    ) -> Result<Self> {
-        let settings_json = serde_json::to_vec(settings)?;
-        Ok(Self {
-            config_sha256: sha256_file(&src_dir.join("config.json"))?,
-            source_sha256,
-            calibration_sha256: calibration_sha256.to_string(),
-            settings_sha256: writer::hex(&Sha256::digest(&settings_json)),
-            tool_version: env!("CARGO_PKG_VERSION").to_string(),
-        })
     }
 }
 

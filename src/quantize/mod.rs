@@ -11,6 +11,7 @@
 //! config and side files are added and the folder renamed into place.
 
 mod card;
+mod hashes;
 mod journal;
 mod layers;
 pub mod plan;
@@ -28,7 +29,8 @@ use crate::model::AnyConfig;
 use crate::source::ModelSource;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Device;
-use journal::{Hashes, Journal, SourceChecks};
+use hashes::Hashes;
+use journal::{Journal, SourceChecks};
 use layers::store::Residency;
 use plan::Plan;
 pub use report::{ModuleRow, QuantizeReport};

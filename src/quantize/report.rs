@@ -1,6 +1,6 @@
 //! What `quantize` reports: one row per module and `quantize_report.json`.
 
-use super::journal::Hashes;
+use super::hashes::Hashes;
 use super::Recorded;
 use crate::calib::SourceUsage;
 use crate::model::LinearGroup;

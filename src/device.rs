@@ -1,10 +1,11 @@
 //! `--device`: the one parsed form of the option ([`DeviceSpec`], checked when the command line is
-//! parsed, before any download) and how devices are named to users ([`label`]).
+//! parsed, before any download), the `--device`/`--dtype` flags every computing command takes
+//! ([`DeviceArgs`]), and how devices are named to users ([`label`]).
 use std::fmt;
 use std::str::FromStr;
 
 use anyhow::{bail, Context, Result};
-use candle_core::Device;
+use candle_core::{DType, Device};
 
 /// A `--device` value: `auto`, `cpu`, `cuda` (GPU 0) or `cuda:N`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,6 +70,40 @@ impl DeviceSpec {
             }
         }
     }
+}
+
+/// `--device` and `--dtype`, as every command that computes takes them.
+#[derive(clap::Args, Clone, Debug)]
+pub struct DeviceArgs {
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    pub device: DeviceSpec,
+    /// Compute dtype (default: f32 on the CPU, bf16 on a GPU).
+    #[arg(long, value_parser = dtype_parser())]
+    pub dtype: Option<DType>,
+}
+
+impl DeviceArgs {
+    /// Opens the device, and the dtype to compute in: `--dtype`, else f32 on the CPU and bf16 on
+    /// a GPU.
+    pub fn open(&self) -> Result<(Device, DType)> {
+        let device = self.device.open()?;
+        let dtype = match self.dtype {
+            Some(d) => d,
+            None if device.is_cpu() => DType::F32,
+            None => DType::BF16,
+        };
+        Ok((device, dtype))
+    }
+}
+
+/// `--dtype`: f32 or bf16.
+fn dtype_parser() -> impl clap::builder::TypedValueParser<Value = DType> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(["f32", "bf16"]).map(|s| match s.as_str() {
+        "f32" => DType::F32,
+        _ => DType::BF16,
+    })
 }
 
 /// How a device is named to users: `cpu`, `cuda:N` (N the GPU ordinal, as `--device` takes it).

@@ -12,6 +12,7 @@ pub mod device;
 pub mod engine;
 pub mod eval;
 pub mod fault;
+pub mod flag;
 pub mod format;
 pub mod gguf;
 pub mod gptq;

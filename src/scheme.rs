@@ -1,6 +1,7 @@
 //! The vocabulary of a quantization scheme, one type per concept, shared from the command line to
 //! the solver, the formats, the config writer and the readers:
 //!
+//! * [`Bits`]: bits per weight of a GPTQ code (`--bits`, `bits` in the config and plan rules);
 //! * [`GroupSize`]: columns sharing one scale/zero (`--group-size`, `group_size` in the config);
 //! * [`ActOrder`]: the column order of the solve (`--act-order`, `desc_act`/`static_groups`);
 //! * [`QuantFormat`]: the on-disk layout (`checkpoint_format`: GPTQ v1, v2 or Marlin).
@@ -12,6 +13,51 @@ use std::num::NonZeroU32;
 use std::str::FromStr;
 
 use serde::{Serialize, Serializer};
+
+/// Bits per weight of a GPTQ code: 2, 3, 4 or 8, what the GPTQ format this tool writes packs
+/// (whole codes in 32-bit words, or 3-bit codes across word pairs); Marlin serves 4 and 8.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Bits(u8);
+
+impl Bits {
+    /// Every width the writer packs.
+    pub const ALL: [Bits; 4] = [Bits(2), Bits(3), Bits(4), Bits(8)];
+    /// The project default (W4A16).
+    pub const B4: Self = Self(4);
+    /// The 8-bit width (`sensitivity`'s upgrade, what `gptq_marlin` serves besides 4).
+    pub const B8: Self = Self(8);
+
+    /// `bits` when the writer packs it.
+    pub fn new(bits: u8) -> Option<Self> {
+        Self::ALL.into_iter().find(|b| b.0 == bits)
+    }
+
+    pub fn get(self) -> u8 {
+        self.0
+    }
+}
+
+impl fmt::Display for Bits {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+impl FromStr for Bits {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        s.parse::<u8>().ok().and_then(Self::new).ok_or_else(|| {
+            format!("{s} cannot be packed in the GPTQ format this tool writes: use 2, 3, 4 or 8")
+        })
+    }
+}
+
+impl Serialize for Bits {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u8(self.0)
+    }
+}
 
 /// Columns (input features) that share one scale/zero per output row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -214,6 +260,23 @@ mod tests {
         for s in ["0", "-2", "x", "", "1.5"] {
             let e = s.parse::<GroupSize>().unwrap_err();
             assert!(e.contains("use -1 (one group per row)"), "{s}: {e}");
+        }
+    }
+
+    #[test]
+    fn bits_are_the_packed_widths() {
+        for b in [2u8, 3, 4, 8] {
+            let bits = Bits::new(b).unwrap();
+            assert_eq!(bits.get(), b);
+            assert_eq!(bits.to_string().parse::<Bits>().unwrap(), bits);
+            assert_eq!(serde_json::to_value(bits).unwrap(), serde_json::json!(b));
+        }
+        for b in [0u8, 1, 5, 6, 7, 16] {
+            assert_eq!(Bits::new(b), None, "{b}");
+        }
+        for s in ["5", "four", "", "-4", "4.0"] {
+            let e = s.parse::<Bits>().unwrap_err();
+            assert!(e.contains("use 2, 3, 4 or 8"), "{s}: {e}");
         }
     }
 

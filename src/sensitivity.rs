@@ -26,14 +26,14 @@ use std::time::Instant;
 /// The report `quantize` writes into its output, with the hashes of the source it read.
 pub const QUANTIZE_REPORT: &str = "quantize_report.json";
 
-/// How finely the checkpoint is cut into units.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+/// How finely the checkpoint is cut into units (`--granularity`): per layer the attention
+/// Linears and the MLP Linears (`Block`), or per module the engines load: `qkv_proj`, `o_proj`,
+/// the attention gate, `gate_up_proj`, `down_proj` (`Module`). (The variants carry no doc
+/// comments: `--granularity`'s help describes them.)
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Granularity {
-    /// Per layer: the attention Linears, the MLP Linears.
     Block,
-    /// Per module the engines load: `qkv_proj`, `o_proj`, the attention gate, `gate_up_proj`,
-    /// `down_proj`.
     Module,
 }
 

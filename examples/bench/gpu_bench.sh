@@ -179,6 +179,55 @@ for stage in "$@"; do
     done
     rm -rf /tmp/qg
     ;;
+  sparse)
+    # The small sparse model (InfLLM-v2 from 512 tokens) on the GPU against the CPU: the GPU's
+    # InfLLM-v2 and Simple-GLA kernels end to end, scored against the source on the GPU.
+    log "sparse"
+    S=/tmp/sparse; rm -rf $S; mkdir -p $S
+    "$SG" synth --preset tiny-sparse --out $S/ts > /dev/null 2>&1
+    for dev in cuda cpu; do
+      timed "$SG" quantize --model $S/ts --out $S/q-$dev --nsamples 8 --seqlen 600..3000 \
+        --engine none --device $dev > /dev/null 2> $S/q-$dev.err
+      echo "tiny-sparse $dev rc $?" | tee -a "$OUT/summary.txt"
+      grep wall $S/q-$dev.err | tee -a "$OUT/summary.txt"
+    done
+    python3 examples/bench/compare_codes.py $S/q-cpu $S/q-cuda | tee -a "$OUT/summary.txt"
+    "$SG" eval-ppl --model $S/ts --compare $S/q-cuda --compare $S/q-cpu --seqlen 3000 \
+      --max-windows 4 --batch 1 --device cuda 2>&1 | tail -8 | tee -a "$OUT/summary.txt"
+    ;;
+  ptx)
+    # The PTX path forced on this GPU (CUDA_FORCE_PTX_JIT=1) against the SASS: same codes.
+    log "ptx"
+    S=/tmp/ptx; rm -rf $S; mkdir -p $S
+    "$SG" quantize --model examples/tiny-sala --out $S/sass --device cuda > /dev/null 2>&1
+    CUDA_FORCE_PTX_JIT=1 CUDA_CACHE_DISABLE=1 timed "$SG" quantize --model examples/tiny-sala \
+      --out $S/ptx --device cuda > /dev/null 2> $S/ptx.err
+    echo "forced PTX rc $?" | tee -a "$OUT/summary.txt"
+    grep wall $S/ptx.err | tee -a "$OUT/summary.txt"
+    same_files $S/sass $S/ptx "SASS vs forced PTX JIT, shipped model"
+    ;;
+  p9b)
+    # The 9.5B at 128 x 2048: the default (f64 factorization, no memory cap), then
+    # --factor-precision f32 (codes compared), then --max-gpu-memory 24 and 16 (bytes compared).
+    log "p9b"
+    B=/tmp/sala9b
+    [ -f $B/config.json ] || timed "$SG" synth --preset minicpm-sala-9b --out $B 2>&1 | tail -2 | tee -a "$OUT/summary.txt"
+    for v in "def:" "f32:--factor-precision f32" "m24:--max-gpu-memory 24" "m16:--max-gpu-memory 16"; do
+      name=${v%%:*}; flags=${v#*:}
+      [ "$name" = m16 ] && [ "${P9B_M16:-1}" = 0 ] && continue
+      rm -rf /tmp/p-$name /tmp/p-$name.partial
+      # shellcheck disable=SC2086
+      timed "$SG" quantize --model $B --out /tmp/p-$name --device cuda $flags > /tmp/p-$name.txt 2> /tmp/p-$name.err
+      echo "9.5B 128x2048 $name ($flags) rc $?" | tee -a "$OUT/summary.txt"
+      grep -E "activations|wall|error" /tmp/p-$name.err | tee -a "$OUT/summary.txt"
+      grep -E "^stages|GPU memory|peak memory" /tmp/p-$name.txt | tee -a "$OUT/summary.txt"
+      case $name in
+        f32) python3 examples/bench/compare_codes.py /tmp/p-def /tmp/p-f32 | tee -a "$OUT/summary.txt"; rm -rf /tmp/p-f32 ;;
+        m24|m16) same_files /tmp/p-def /tmp/p-$name "default vs $flags"; rm -rf /tmp/p-$name ;;
+      esac
+    done
+    rm -rf /tmp/p-def
+    ;;
   long)
     # The 9.5B at LONG_N windows of LONG_LEN tokens (a length or MIN..MAX), default 16 x 49152,
     # with LONG_FLAGS: the report's stages, GPU and host memory.

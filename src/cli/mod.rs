@@ -1,854 +1,121 @@
-//! The `soar-gptq` command line: argument parsing, dispatch, and the exit-code contract
-//! (0 success, 2 usage error, 1 any other failure with one clear message on stderr).
+//! The `soar-gptq` command line: the entry point, the exit-code contract (0 success, 2 usage
+//! error, 1 any other failure with one clear message on stderr), and one function per command
+//! that hands its parsed flags (`args.rs`) to the library and prints what it returns.
+
+mod args;
 
 use crate::checkpoint::guard::{self, InputPath, OutputFile};
-use crate::checkpoint::writer::DEFAULT_SHARD_BYTES;
-use crate::device::DeviceSpec;
 use crate::eval::{PplOptions, DEFAULT_EVAL_TEXT};
-use crate::model::SparseAttention;
-use crate::scheme::{ActOrder, GroupSize};
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device};
-use clap::{Parser, Subcommand, ValueEnum};
+pub use args::*;
+use clap::Parser;
 use std::path::PathBuf;
 
-#[derive(Parser, Debug)]
-#[command(
-    name = "soar-gptq",
-    version,
-    about = "GPTQ W4A16 quantization for MiniCPM-SALA and Llama-family decoders, with perplexity verification"
-)]
-pub struct Cli {
-    #[command(subcommand)]
-    pub command: Command,
-}
-
-#[derive(Subcommand, Debug)]
-pub enum Command {
-    /// Quantizes a BF16 checkpoint (MiniCPM-SALA, Llama, Mistral, Qwen2, MiniCPM) to a GPTQ
-    /// (W4A16 by default) checkpoint.
-    Quantize(Box<QuantizeArgs>),
-    /// Rewrites a GPTQ checkpoint with Marlin-tiled weights (B, s), verified bit-exact.
-    PackMarlin(PackMarlinArgs),
-    /// Perplexity of a model on a text (protocol in docs/eval.md), optionally compared with
-    /// other models on the same windows.
-    EvalPpl(EvalPplArgs),
-    /// What a checkpoint holds; validates it (non-zero exit when validation fails).
-    Inspect(InspectArgs),
-    /// Writes a random-weight checkpoint for a config or preset.
-    Synth(SynthArgs),
-    /// Converts a Llama-architecture GGUF file into a Hugging Face-layout BF16 folder.
-    ImportGguf(ImportGgufArgs),
-    /// Which quantized units hurt: the mean KL and perplexity change when each (per layer the
-    /// attention or the MLP, or per module) alone goes back to 16 bits, ranked with its size;
-    /// and a plan for a size budget or KL target that `quantize --plan` takes.
-    Sensitivity(SensitivityArgs),
-}
-
-#[derive(clap::Args, Debug)]
-pub struct SensitivityArgs {
-    /// The 16-bit source model: folder or hub repo id (org/name).
-    #[arg(long)]
-    pub model: String,
-    /// Hub revision (branch, tag or commit) when --model is a repo id.
-    #[arg(long)]
-    pub revision: Option<String>,
-    /// The quantized checkpoint (GPTQ or Marlin folder) made from --model.
-    #[arg(long)]
-    pub quantized: PathBuf,
-    /// Text file to score, or `default` for the evaluation text compiled into the binary.
-    #[arg(long, default_value = "default")]
-    pub data: String,
-    /// Window length in tokens (at least 2: a window scores its next-token predictions).
-    #[arg(long, default_value_t = 512, value_parser = parse_window)]
-    pub seqlen: usize,
-    /// Score at most this many windows.
-    #[arg(long, default_value_t = 64, value_parser = parse_positive)]
-    pub max_windows: usize,
-    /// When MiniCPM-SALA's sparse layers run InfLLM-v2: auto (as the official code: from
-    /// sparse_config.dense_len on), always (as SGLang serves with dense-as-sparse) or never
-    /// (dense attention, as the vLLM ports compute them).
-    #[arg(long, value_enum, default_value_t = SparseAttention::Auto)]
-    pub sparse_attention: SparseAttention,
-
-    /// Units: block (per layer the attention Linears and the MLP Linears) or module (per
-    /// module the engines load: qkv_proj, o_proj, the attention gate, gate_up_proj, down_proj).
-    #[arg(long, value_enum, default_value_t = GranularityArg::Block)]
-    pub granularity: GranularityArg,
-    /// Also score each unit quantized alone, the rest in 16 bits.
-    #[arg(long)]
-    pub alone: bool,
-    /// What the plan makes of a chosen unit: 8 (bits, what gptq_marlin serves) or 16 (kept
-    /// unquantized).
-    #[arg(long, default_value_t = 8, value_parser = parse_upgrade)]
-    pub upgrade: u8,
-    /// Plan: at most this many extra gigabytes (10⁹ bytes).
-    #[arg(long, value_parser = parse_nonneg, conflicts_with = "budget_pct")]
-    pub budget_gb: Option<f64>,
-    /// Plan: at most this many extra percent of the quantized checkpoint's size.
-    #[arg(long, value_parser = parse_nonneg)]
-    pub budget_pct: Option<f64>,
-    /// Plan: stop once the predicted mean KL is at most this.
-    #[arg(long, value_parser = parse_nonneg)]
-    pub kl_target: Option<f64>,
-    /// Write the plan (GPTQModel `dynamic` rules) to this JSON file for `quantize --plan`.
-    #[arg(long)]
-    pub plan_out: Option<PathBuf>,
-    /// Replace --plan-out if it exists (a regular file only: never a folder, device or input).
-    #[arg(long)]
-    pub force: bool,
-    /// auto, cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto")]
-    pub device: DeviceSpec,
-    /// Compute dtype (default: f32 on the CPU, bf16 on a GPU).
-    #[arg(long, value_enum)]
-    pub dtype: Option<ComputeDtype>,
-    /// Windows per forward batch.
-    #[arg(long, default_value_t = 4, value_parser = parse_positive)]
-    pub batch: usize,
-    /// Print one JSON document on stdout instead of text.
-    #[arg(long)]
-    pub json: bool,
-}
-
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GranularityArg {
-    Block,
-    Module,
-}
-
-fn parse_upgrade(s: &str) -> std::result::Result<u8, String> {
-    match s {
-        "8" => Ok(8),
-        "16" => Ok(16),
-        _ => Err(format!(
-            "{s} is not an upgrade: use 8 (bits) or 16 (unquantized)"
-        )),
-    }
-}
-
-fn parse_gb(s: &str) -> std::result::Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
-        _ => Err(format!(
-            "{s} is not a number of gigabytes (10⁹ bytes), e.g. 24"
-        )),
-    }
-}
-
-fn parse_nonneg(s: &str) -> std::result::Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
-        _ => Err(format!("{s} is not a non-negative number")),
-    }
-}
-
-#[derive(clap::Args, Debug)]
-pub struct ImportGgufArgs {
-    /// The .gguf file (llama.cpp format, general.architecture = llama).
-    #[arg(long)]
-    pub gguf: PathBuf,
-    /// Output folder (written as <out>.partial, renamed when complete).
-    #[arg(long)]
-    pub out: PathBuf,
-    /// Replace --out if it exists.
-    #[arg(long)]
-    pub force: bool,
-    /// Largest output shard in bytes.
-    #[arg(long, default_value_t = DEFAULT_SHARD_BYTES, value_parser = parse_shard_size)]
-    pub shard_size: u64,
-    /// Print the report as one JSON document on stdout.
-    #[arg(long)]
-    pub json: bool,
-}
-
-#[derive(clap::Args, Debug)]
-pub struct EvalPplArgs {
-    /// Model folder or hub repo id (org/name).
-    #[arg(long)]
-    pub model: String,
-    /// Hub revision (branch, tag or commit) when --model is a repo id.
-    #[arg(long)]
-    pub revision: Option<String>,
-    /// Also score these models (BF16, GPTQ or Marlin folders) on the same windows and report
-    /// their perplexity difference, mean KL divergence and top-1 agreement (repeatable).
-    #[arg(long)]
-    pub compare: Vec<PathBuf>,
-    /// Text file to score, or `default` for the evaluation text compiled into the binary.
-    #[arg(long, default_value = "default")]
-    pub data: String,
-    /// Window length in tokens (at least 2: a window scores its next-token predictions).
-    #[arg(long, default_value_t = 2048, value_parser = parse_window)]
-    pub seqlen: usize,
-    /// Score at most this many windows.
-    #[arg(long, value_parser = parse_positive)]
-    pub max_windows: Option<usize>,
-    /// Start every window with the BOS token.
-    #[arg(long)]
-    pub bos: bool,
-    /// When MiniCPM-SALA's sparse layers run InfLLM-v2: auto (as the official code: from
-    /// sparse_config.dense_len on), always (as SGLang serves with dense-as-sparse) or never
-    /// (dense attention, as the vLLM ports compute them).
-    #[arg(long, value_enum, default_value_t = SparseAttention::Auto)]
-    pub sparse_attention: SparseAttention,
-    /// Draw the mean KL divergence of every --compare model against the position in the
-    /// window as an SVG picture into this file.
-    #[arg(long, requires = "compare")]
-    pub plot: Option<PathBuf>,
-    /// Replace an existing --plot file.
-    #[arg(long)]
-    pub force: bool,
-
-    /// auto, cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto")]
-    pub device: DeviceSpec,
-    /// Compute dtype (default: f32 on the CPU, bf16 on a GPU).
-    #[arg(long, value_enum)]
-    pub dtype: Option<ComputeDtype>,
-    /// Windows per forward batch.
-    #[arg(long, default_value_t = 4, value_parser = parse_positive)]
-    pub batch: usize,
-    /// Print one JSON document on stdout instead of text.
-    #[arg(long)]
-    pub json: bool,
-}
-
-#[derive(clap::Args, Debug)]
-pub struct QuantizeArgs {
-    /// Model folder or hub repo id (org/name).
-    #[arg(long)]
-    pub model: String,
-    /// Hub revision (branch, tag or commit) when --model is a repo id.
-    #[arg(long)]
-    pub revision: Option<String>,
-    /// Calibration source: `default`, a .txt or .jsonl file, or a folder; append `:WEIGHT` to mix
-    /// several (repeatable).
-    #[arg(long, default_values_t = vec!["default".to_string()])]
-    pub calib: Vec<String>,
-    /// Output folder (written as <out>.partial, renamed when complete).
-    #[arg(long)]
-    pub out: PathBuf,
-    /// Bits per weight: 2, 3, 4 or 8 (Marlin serves 4 and 8; 2 and 3 use the engines' gptq kernel).
-    #[arg(long, default_value_t = 4, value_parser = parse_bits)]
-    pub bits: u8,
-    /// Columns per quantization group (-1: one group per row).
-    #[arg(long, default_value_t = GroupSize::G128, allow_hyphen_values = true)]
-    pub group_size: GroupSize,
-    /// Column order of the solve: static (act-order with fixed groups, trivial g_idx),
-    /// dynamic (desc_act with permuted g_idx) or off.
-    #[arg(long, value_enum, default_value_t = ActOrder::Static)]
-    pub act_order: ActOrder,
-    /// Asymmetric quantization (zero points); not servable by gptq_marlin.
-    #[arg(long)]
-    pub asym: bool,
-    /// Initial damping as a fraction of mean(diag H), in (0, 1); doubled on a failed factorization.
-    #[arg(long, default_value_t = 0.01, value_parser = parse_damp)]
-    pub damp: f64,
-    /// Precision of each Hessian's Cholesky factorization and inverse: auto (f64 on the CPU and
-    /// on GPUs with a useful FP64 rate, f32 on RTX, L40S and workstation cards), f64 or f32.
-    #[arg(long, value_enum, default_value_t = crate::scheme::FactorPrecision::Auto)]
-    pub factor_precision: crate::scheme::FactorPrecision,
-    /// Calibration windows.
-    #[arg(long, default_value_t = 128, value_parser = parse_positive)]
-    pub nsamples: usize,
-    /// Tokens per calibration window, or MIN..MAX for lengths drawn log-uniformly between two
-    /// (long-context calibration, docs/calibration.md); at most max_position_embeddings.
-    #[arg(long, default_value = "2048")]
-    pub seqlen: crate::calib::SeqLen,
-    /// When MiniCPM-SALA's sparse layers run InfLLM-v2: auto (as the official code: from
-    /// sparse_config.dense_len on), always (as SGLang serves with dense-as-sparse) or never
-    /// (dense attention, as the vLLM ports compute them).
-    #[arg(long, value_enum, default_value_t = SparseAttention::Auto)]
-    pub sparse_attention: SparseAttention,
-
-    /// Seed for drawing calibration windows.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Keep modules whose full name matches this regex in BF16 (repeatable).
-    #[arg(long)]
-    pub skip: Vec<String>,
-    /// Per-module bits and group sizes: a JSON file with a GPTQModel `dynamic` object
-    /// (`"+:REGEX": {"bits": 8}`, `"-:REGEX": {}` for 16 bits), e.g. from `sensitivity
-    /// --plan-out` (docs/usage.md, Mixed precision).
-    #[arg(long)]
-    pub plan: Option<PathBuf>,
-    /// Accept --plan rules that change nothing (that match no module, or only modules --skip or
-    /// earlier rules decide); without it such a plan is refused, naming them.
-    #[arg(long, requires = "plan")]
-    pub allow_unmatched_rules: bool,
-    /// auto, cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto")]
-    pub device: DeviceSpec,
-    /// Compute dtype of the calibration forward (default: f32 on the CPU, bf16 on a GPU).
-    #[arg(long, value_enum)]
-    pub dtype: Option<ComputeDtype>,
-    /// Take all Hessians of a layer from the unquantized layer.
-    #[arg(long)]
-    pub no_true_sequential: bool,
-    /// Search each group's clipping range by MSE (grid 100, shrink to 0.8): the default.
-    #[arg(long, overrides_with = "no_mse")]
-    pub mse: bool,
-    /// Plain min/max ranges instead of the MSE search (vanilla GPTQ's quantizer).
-    #[arg(long, overrides_with = "mse")]
-    pub no_mse: bool,
-    /// After the solve, refit each row's group scales by least squares under the Hessian
-    /// (codes unchanged; docs/algorithm.md, Scale refit).
-    #[arg(long)]
-    pub refit: bool,
-    /// Save every Hessian (safetensors) into this folder.
-    #[arg(long)]
-    pub save_hessians: Option<PathBuf>,
-    /// Re-solve from Hessians saved by an earlier --save-hessians run (no calibration forward).
-    #[arg(long, conflicts_with = "save_hessians")]
-    pub load_hessians: Option<PathBuf>,
-    /// Continue an interrupted run from its last finished layer.
-    #[arg(long)]
-    pub resume: bool,
-    /// Replace --out if it exists.
-    #[arg(long)]
-    pub force: bool,
-    /// Compare perplexity against the source model at the end (on the embedded evaluation text).
-    #[arg(long)]
-    pub verify: bool,
-    /// gptq; gptaq (GPTQ on the asymmetric objective: the full-precision model's inputs as the
-    /// target, a second forward stream; docs/algorithm.md, GPTAQ); or rtn (round-to-nearest
-    /// baseline through the same writer).
-    #[arg(long, value_enum, default_value_t = MethodArg::Gptq)]
-    pub method: MethodArg,
-    /// GPTAQ: the share of the asymmetric correction applied, in [0, 1] (0 is GPTQ).
-    #[arg(long, default_value_t = 1.0, value_parser = parse_alpha)]
-    pub gptaq_alpha: f64,
-    /// Calibration windows per forward batch (at most 65,536 tokens a batch; a longer window
-    /// is a batch of its own).
-    #[arg(long, default_value_t = 8, value_parser = parse_positive)]
-    pub batch: usize,
-    /// Use at most this many GB of GPU memory: the hidden states move to host memory and the
-    /// layer caches are recomputed as needed (docs/usage.md, Memory).
-    #[arg(long, value_parser = parse_gb)]
-    pub max_gpu_memory: Option<f64>,
-    /// Keep at most this many GB of activations in host memory; the rest spills to disk under
-    /// the output's partial folder.
-    #[arg(long, value_parser = parse_gb)]
-    pub max_host_memory: Option<f64>,
-    /// Largest output shard in bytes.
-    #[arg(long, default_value_t = DEFAULT_SHARD_BYTES, value_parser = parse_shard_size)]
-    pub shard_size: u64,
-    /// The serving engine the output is written for and checked against before the run and
-    /// before it is committed (docs/engines.md); `none` applies no engine's rules and checks
-    /// nothing (for checkpoints made to be evaluated, e.g. 3-bit MiniCPM-SALA).
-    #[arg(long, value_enum, default_value_t = TargetArg::Sglang)]
-    pub engine: TargetArg,
-    /// Print the report as one JSON document on stdout.
-    #[arg(long)]
-    pub json: bool,
-    /// Testing aid: fail after this many layers (leaves a resumable <out>.partial).
-    #[arg(long, hide = true)]
-    pub stop_after_layers: Option<usize>,
-}
-
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MethodArg {
-    Gptq,
-    Gptaq,
-    Rtn,
-}
-
-/// `--engine`: the serving engine an output is written for and checked against.
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EngineArg {
-    Sglang,
-    Vllm,
-    Transformers,
-}
-
-impl From<EngineArg> for crate::engine::Engine {
-    fn from(e: EngineArg) -> Self {
-        match e {
-            EngineArg::Sglang => Self::Sglang,
-            EngineArg::Vllm => Self::Vllm,
-            EngineArg::Transformers => Self::Transformers,
+/// Entry point of the binary; returns the process exit code.
+pub fn main() -> i32 {
+    crate::interrupt::install();
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            // --help and --version are successes; everything else clap rejects is a usage error.
+            let code = if e.use_stderr() { 2 } else { 0 };
+            let _ = e.print();
+            return code;
         }
-    }
-}
-
-/// `--engine` of commands that write a checkpoint: an engine, or `none` (no engine's rules
-/// applied, no load check: for checkpoints made to be evaluated, not served).
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TargetArg {
-    Sglang,
-    Vllm,
-    Transformers,
-    None,
-}
-
-impl TargetArg {
-    fn engine(self) -> Option<crate::engine::Engine> {
-        match self {
-            Self::Sglang => Some(crate::engine::Engine::Sglang),
-            Self::Vllm => Some(crate::engine::Engine::Vllm),
-            Self::Transformers => Some(crate::engine::Engine::Transformers),
-            Self::None => None,
+    };
+    let code = match run(cli) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            1
         }
-    }
-}
-
-fn parse_bits(s: &str) -> std::result::Result<u8, String> {
-    match s.parse::<u8>() {
-        Ok(b) if [2, 3, 4, 8].contains(&b) => Ok(b),
-        _ => Err(format!(
-            "{s} cannot be packed in the GPTQ format this tool writes: use 2, 3, 4 or 8"
-        )),
-    }
-}
-
-fn parse_damp(s: &str) -> std::result::Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(d) if crate::gptq::valid_damp(d) => Ok(d),
-        _ => Err(format!(
-            "{s} is not a damping fraction: use a number in (0, 1), e.g. 0.01"
-        )),
-    }
-}
-
-fn parse_alpha(s: &str) -> std::result::Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(a) if (0.0..=1.0).contains(&a) => Ok(a),
-        _ => Err(format!(
-            "{s} is not a GPTAQ share: use a number in [0, 1], e.g. 1 or 0.25"
-        )),
-    }
-}
-
-/// A usage error found after parsing (a combination of options): the message, exit code 2, as
-/// clap's own, before any work.
-fn usage_error(msg: impl std::fmt::Display) -> ! {
-    use clap::CommandFactory;
-    Cli::command()
-        .error(clap::error::ErrorKind::ArgumentConflict, msg)
-        .exit()
-}
-
-fn parse_shard_size(s: &str) -> std::result::Result<u64, String> {
-    match s.parse::<u64>() {
-        Ok(n) if n > 0 => Ok(n),
-        _ => Err(format!("{s} is not a positive number of bytes")),
-    }
-}
-
-fn parse_positive(s: &str) -> std::result::Result<usize, String> {
-    match s.parse::<usize>() {
-        Ok(n) if n > 0 => Ok(n),
-        _ => Err(format!("{s} is not a positive whole number")),
-    }
-}
-
-/// A window of tokens (calibration or evaluation): one token has no next-token prediction.
-fn parse_window(s: &str) -> std::result::Result<usize, String> {
-    match parse_positive(s)? {
-        1 => Err(
-            "1 token is not a window: use at least 2 tokens (a window predicts each token from \
-             the ones before it)"
-                .to_string(),
-        ),
-        n => Ok(n),
-    }
-}
-
-#[derive(clap::Args, Debug)]
-pub struct PackMarlinArgs {
-    /// GPTQ checkpoint folder.
-    #[arg(long = "in")]
-    pub input: PathBuf,
-    /// Output folder.
-    #[arg(long)]
-    pub out: PathBuf,
-    /// Replace --out if it exists.
-    #[arg(long)]
-    pub force: bool,
-    /// The engine whose config rules the output follows and whose loader is emulated on it (as a
-    /// release with the legacy marlin method: no current release reads Marlin checkpoints);
-    /// `none` checks nothing.
-    #[arg(long, value_enum, default_value_t = TargetArg::Sglang)]
-    pub engine: TargetArg,
-    /// Print the report as one JSON document on stdout.
-    #[arg(long)]
-    pub json: bool,
-}
-
-#[derive(clap::Args, Debug)]
-pub struct InspectArgs {
-    /// Checkpoint folder.
-    pub dir: PathBuf,
-    /// Emulate this engine's load of the folder (module set, tensors, config, remote code) and
-    /// exit 1 when it would fail.
-    #[arg(long, value_enum)]
-    pub engine: Option<EngineArg>,
-    /// With --engine on a Marlin checkpoint: check it as a release that still has the legacy
-    /// marlin method would load it (what pack-marlin checks).
-    #[arg(long, requires = "engine")]
-    pub legacy_marlin: bool,
-    /// Print one JSON document on stdout instead of text.
-    #[arg(long)]
-    pub json: bool,
-}
-
-#[derive(clap::Args, Debug)]
-pub struct SynthArgs {
-    /// A config.json to instantiate.
-    #[arg(long, conflicts_with = "preset", required_unless_present = "preset")]
-    pub config: Option<PathBuf>,
-    /// A built-in config: `tiny`, `tiny-sparse` (InfLLM-v2 from 512 tokens) or `minicpm-sala-9b`.
-    #[arg(long)]
-    pub preset: Option<String>,
-    /// Output folder.
-    #[arg(long)]
-    pub out: PathBuf,
-    /// Seed of the random weights.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// tokenizer.json to ship with the model (default: the small one the repo ships).
-    #[arg(long)]
-    pub tokenizer: Option<PathBuf>,
-    /// Largest shard size in bytes.
-    #[arg(long, default_value_t = DEFAULT_SHARD_BYTES, value_parser = parse_shard_size)]
-    pub shard_size: u64,
-    /// Replace --out if it exists.
-    #[arg(long)]
-    pub force: bool,
-}
-
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ComputeDtype {
-    F32,
-    Bf16,
-}
-
-fn compute_dtype(choice: Option<ComputeDtype>, device: &Device) -> DType {
-    match choice {
-        Some(ComputeDtype::F32) => DType::F32,
-        Some(ComputeDtype::Bf16) => DType::BF16,
-        None if device.is_cpu() => DType::F32,
-        None => DType::BF16,
-    }
-}
-
-fn read_eval_text(data: &str) -> Result<String> {
-    if data == "default" {
-        return Ok(DEFAULT_EVAL_TEXT.to_string());
-    }
-    crate::checkpoint::guard::regular_file(std::path::Path::new(data), "--data")?;
-    std::fs::read_to_string(data).with_context(|| format!("cannot read --data {data}"))
-}
-
-/// `--data` as messages name it.
-fn text_name(data: &str) -> String {
-    if data == "default" {
-        "the built-in evaluation text (--data default)".to_string()
-    } else {
-        format!("--data {data}")
+    };
+    // A reader that closed the pipe early (`| head`) wanted no more: not an error. A full or
+    // failing stdout is, though the work itself (a written checkpoint) is complete.
+    match crate::output::finish() {
+        Some(e) if e.kind() == std::io::ErrorKind::BrokenPipe => code,
+        Some(e) => {
+            eprintln!("error: cannot write to standard output: {e}");
+            code.max(1)
+        }
+        None => code,
     }
 }
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Quantize(a) => {
-            if a.method == MethodArg::Gptaq {
-                if a.no_true_sequential {
-                    usage_error(
-                        "--method gptaq needs true-sequential calibration (each group's \
-                         quantized-model input after the groups before it): drop \
-                         --no-true-sequential",
-                    );
-                }
-                if a.load_hessians.is_some() {
-                    usage_error(
-                        "--method gptaq cannot --load-hessians: saved files hold the Hessian \
-                         only, not GPTAQ's cross term; calibrate instead",
-                    );
-                }
-            } else if a.gptaq_alpha != 1.0 {
-                usage_error("--gptaq-alpha applies to --method gptaq only");
-            }
-            if a.refit && a.method == MethodArg::Rtn {
-                usage_error(
-                    "--refit fits scales under the Hessian, which --method rtn does not compute: \
-                     use it with --method gptq or gptaq",
-                );
-            }
-            let device = a.device.open()?;
-            let factor_precision =
-                crate::quantize::resolve_factor_precision(a.factor_precision, &device)?;
-            let opts = crate::quantize::QuantizeOptions {
-                model: a.model.clone(),
-                revision: a.revision.clone(),
-                calib: a
-                    .calib
-                    .iter()
-                    .map(|c| crate::calib::CalibSpec::parse(c))
-                    .collect::<Result<_>>()?,
-                out: a.out.clone(),
-                bits: a.bits,
-                group_size: a.group_size,
-                act_order: a.act_order,
-                sym: !a.asym,
-                damp: a.damp,
-                nsamples: a.nsamples,
-                seqlen: a.seqlen,
-                sparse_attention: a.sparse_attention,
-                seed: a.seed,
-                skip: a.skip.clone(),
-                plan: a.plan.clone(),
-                allow_unmatched_rules: a.allow_unmatched_rules,
-                dtype: compute_dtype(a.dtype, &device),
-                device,
-                true_sequential: !a.no_true_sequential,
-                mse: !a.no_mse,
-                refit: a.refit,
-                save_hessians: a.save_hessians.clone(),
-                load_hessians: a.load_hessians.clone(),
-                resume: a.resume,
-                force: a.force,
-                method: match a.method {
-                    MethodArg::Gptq => crate::quantize::Method::Gptq,
-                    MethodArg::Gptaq => crate::quantize::Method::Gptaq,
-                    MethodArg::Rtn => crate::quantize::Method::Rtn,
-                },
-                gptaq_alpha: a.gptaq_alpha,
-                batch: a.batch,
-                factor_precision,
-                max_gpu_memory: a.max_gpu_memory,
-                max_host_memory: a.max_host_memory,
-                shard_bytes: a.shard_size,
-                stop_after_layers: a.stop_after_layers,
-                engine: a.engine.engine(),
-                verify: a.verify,
-            };
-            let report = crate::quantize::quantize(&opts)?;
-            if a.json {
-                crate::outln!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                report.print_text();
-            }
+        Command::Quantize(a) => quantize(*a),
+        Command::PackMarlin(a) => pack_marlin(a),
+        Command::EvalPpl(a) => eval_ppl(a),
+        Command::Inspect(a) => inspect(a),
+        Command::Synth(a) => synth(a),
+        Command::ImportGguf(a) => import_gguf(a),
+        Command::Sensitivity(a) => sensitivity(a),
+    }
+}
+
+impl Print {
+    /// Prints `report` as one JSON document with `--json`, else as `text` prints it.
+    fn report<T: serde::Serialize>(&self, report: &T, text: impl FnOnce(&T)) -> Result<()> {
+        if self.json {
+            crate::outln!("{}", serde_json::to_string_pretty(report)?);
+        } else {
+            text(report);
         }
-        Command::Synth(a) => {
-            let cfg = match (&a.config, &a.preset) {
-                (Some(p), _) => crate::model::AnyConfig::from_file(p)?,
-                (None, Some(name)) => crate::model::config::preset(name)?.into(),
-                (None, None) => unreachable!("clap requires one of --config / --preset"),
-            };
-            let opts = crate::synth::SynthOptions {
-                out: a.out,
-                seed: a.seed,
-                tokenizer: a.tokenizer,
-                config_file: a.config.clone(),
-                shard_bytes: a.shard_size,
-                force: a.force,
-            };
-            let out = crate::synth::synth(&cfg, &opts)?;
-            eprintln!("wrote {} ({} parameters)", out.display(), cfg.param_count());
-        }
-        Command::Inspect(a) => {
-            let quantized = crate::format::quantized::read_quant_info(&a.dir)?.is_some();
-            let inspect = || -> Result<Inspected> {
-                Ok(if quantized {
-                    Inspected::Quantized(crate::inspect::quantized::inspect_quantized(&a.dir)?)
-                } else {
-                    Inspected::Plain(crate::inspect::inspect(&a.dir)?)
-                })
-            };
-            match a.engine {
-                None => {
-                    let r = inspect()?;
-                    if a.json {
-                        crate::outln!("{}", serde_json::to_string_pretty(&r.to_json()?)?);
-                    } else {
-                        r.print_text();
-                    }
-                }
-                Some(engine) => {
-                    // The engine's view first: it explains a failure better than validation,
-                    // and the full validation (which reads every tensor) runs only when it passes.
-                    let check = crate::engine::check_dir(&a.dir, engine.into(), a.legacy_marlin)?;
-                    let validated = if check.loads {
-                        inspect()
-                    } else {
-                        Err(anyhow::anyhow!("not validated: the engine check failed"))
-                    };
-                    if a.json {
-                        let doc = serde_json::json!({
-                            "inspect": match &validated {
-                                Ok(r) => r.to_json()?,
-                                Err(_) => serde_json::Value::Null,
-                            },
-                            "validation_error": validated.as_ref().err().map(|e| format!("{e:#}")),
-                            "engine": check,
-                        });
-                        crate::outln!("{}", serde_json::to_string_pretty(&doc)?);
-                    } else {
-                        if let Ok(r) = &validated {
-                            r.print_text();
-                        }
-                        check.print_text();
-                        if let Err(e) = &validated {
-                            if check.loads {
-                                crate::outln!("validation     FAILED: {e:#}");
-                            }
-                        }
-                    }
-                    if !check.loads {
-                        bail!("{}", check.error_text(&a.dir.display().to_string()));
-                    }
-                    validated?;
-                }
-            }
-        }
-        Command::ImportGguf(a) => {
-            let report = crate::gguf::import_gguf(&crate::gguf::ImportOptions {
-                gguf: a.gguf,
-                out: a.out,
-                force: a.force,
-                shard_bytes: a.shard_size,
-            })?;
-            if a.json {
-                crate::outln!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                report.print_text();
-            }
-        }
-        Command::PackMarlin(a) => {
-            let report = crate::pack_marlin::pack_marlin_checkpoint(
-                &a.input,
-                &a.out,
-                a.force,
-                a.engine.engine(),
-            )?;
-            if a.json {
-                crate::outln!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                report.print_text();
-            }
-        }
-        Command::Sensitivity(a) => {
-            if a.plan_out.is_some()
-                && a.budget_gb.is_none()
-                && a.budget_pct.is_none()
-                && a.kl_target.is_none()
-            {
-                usage_error(
-                    "--plan-out needs a plan to write: give --budget-gb, --budget-pct or \
-                     --kl-target",
-                );
-            }
-            // --plan-out is checked against every input before anything is read or
-            // downloaded, and again with the resolved model's files.
-            let mut inputs = vec![InputPath::new("--quantized", &a.quantized)];
-            if a.data != "default" {
-                inputs.push(InputPath::new("--data", &a.data));
-            }
-            inputs.push(InputPath::new(
-                "--model",
-                crate::source::cache_repo_dir(&a.model).unwrap_or_else(|| a.model.clone().into()),
-            ));
-            let check_plan_out = |inputs: &[InputPath]| {
-                a.plan_out
-                    .as_ref()
-                    .map(|p| OutputFile::check("--plan-out", p, a.force, inputs))
-                    .transpose()
-            };
-            check_plan_out(&inputs)?;
-            let text = read_eval_text(&a.data)?;
-            let src = crate::source::resolve(&a.model, a.revision.as_deref())?;
-            inputs.extend(guard::model_inputs("--model", &src.dir));
-            inputs.extend(guard::model_inputs("--quantized", &a.quantized));
-            let plan_out = check_plan_out(&inputs)?;
-            let device = a.device.open()?;
-            let opts = crate::sensitivity::SensitivityOptions {
-                eval: PplOptions {
-                    seqlen: a.seqlen,
-                    max_windows: Some(a.max_windows),
-                    bos: false,
-                    dtype: compute_dtype(a.dtype, &device),
-                    batch: a.batch,
-                    device,
-                    sparse_attention: a.sparse_attention,
-                    text_name: text_name(&a.data),
-                },
-                granularity: match a.granularity {
-                    GranularityArg::Block => crate::sensitivity::Granularity::Block,
-                    GranularityArg::Module => crate::sensitivity::Granularity::Module,
-                },
-                alone: a.alone,
-                upgrade_bits: a.upgrade,
-                budget: match (a.budget_gb, a.budget_pct) {
-                    (Some(gb), _) => Some(crate::sensitivity::Budget::Bytes((gb * 1e9) as u64)),
-                    (None, Some(p)) => Some(crate::sensitivity::Budget::Percent(p)),
-                    (None, None) => None,
-                },
-                kl_target: a.kl_target,
-            };
-            let r = crate::sensitivity::sensitivity(&src.dir, &a.quantized, &text, &opts)?;
-            // A plan without rules would change nothing: it is not written (quantize refuses
-            // one), and the run fails after the table, saying why.
-            let empty = r.plan.as_ref().is_some_and(|p| p.units.is_empty());
-            if let Some(out) = plan_out.as_ref().filter(|_| !empty) {
-                crate::sensitivity::write_plan(out, &r)?;
-            }
-            if a.json {
-                crate::outln!("{}", serde_json::to_string_pretty(&r)?);
-            } else {
-                r.print_text();
-                if let Some(p) = a.plan_out.as_ref().filter(|_| !empty) {
-                    crate::outln!("wrote {}", p.display());
-                }
-            }
-            if let Some(p) = a.plan_out.as_ref().filter(|_| empty) {
-                bail!(
-                    "the plan chose no unit: {}; nothing was written to --plan-out {} (a plan \
-                     without rules would change nothing)",
-                    crate::sensitivity::empty_plan_reason(&r, &opts),
-                    p.display()
-                );
-            }
-        }
-        Command::EvalPpl(a) => {
-            let src = crate::source::resolve(&a.model, a.revision.as_deref())?;
-            let device = a.device.open()?;
-            let opts = PplOptions {
-                seqlen: a.seqlen,
-                max_windows: a.max_windows,
-                bos: a.bos,
-                dtype: compute_dtype(a.dtype, &device),
-                batch: a.batch,
-                device,
-                sparse_attention: a.sparse_attention,
-                text_name: text_name(&a.data),
-            };
-            let text = read_eval_text(&a.data)?;
-            let plot = a
-                .plot
-                .as_ref()
-                .map(|p| plot_output(p, a.force, &src.dir, &a.compare, &a.data))
-                .transpose()?;
-            let c = crate::eval::compare(&src.dir, &a.compare, &text, &opts)?;
-            if let Some(p) = &plot {
-                let models: Vec<(String, &crate::eval::PositionSums)> = c
-                    .compared
-                    .iter()
-                    .map(|m| (m.model.clone(), &m.sums))
-                    .collect();
-                let svg = crate::eval::plot::kl_by_position_svg(&models, opts.seqlen)?;
-                p.write(|tmp| Ok(std::fs::write(tmp, svg.as_bytes())?))?;
-            }
-            if a.json && a.compare.is_empty() {
-                crate::outln!("{}", serde_json::to_string_pretty(&c.reference)?);
-            } else if a.json {
-                crate::outln!("{}", serde_json::to_string_pretty(&c)?);
-            } else {
-                print_comparison(&src.description, &c);
-                if let Some(p) = &a.plot {
-                    crate::outln!("wrote {}", p.display());
-                }
-            }
+        Ok(())
+    }
+}
+
+fn quantize(a: QuantizeArgs) -> Result<()> {
+    if let Some(msg) = a.settings.usage_error() {
+        usage_error(msg);
+    }
+    let report = crate::quantize::quantize(&a.settings)?;
+    a.print.report(&report, |r| r.print_text())
+}
+
+fn pack_marlin(a: PackMarlinArgs) -> Result<()> {
+    let report = crate::pack_marlin::pack_marlin_checkpoint(&a.input, &a.out, a.force, a.engine)?;
+    a.print.report(&report, |r| r.print_text())
+}
+
+fn eval_ppl(a: EvalPplArgs) -> Result<()> {
+    let src = a.source.resolve()?;
+    let (device, dtype) = a.forward.device.open()?;
+    let opts = PplOptions {
+        seqlen: a.seqlen,
+        max_windows: a.max_windows,
+        bos: a.bos,
+        dtype,
+        batch: a.forward.batch,
+        device,
+        sparse_attention: a.sparse_attention,
+        text_name: text_name(&a.data),
+    };
+    let text = read_eval_text(&a.data)?;
+    let plot = a
+        .plot
+        .as_ref()
+        .map(|p| plot_output(p, a.force, &src.dir, &a.compare, &a.data))
+        .transpose()?;
+    let c = crate::eval::compare(&src.dir, &a.compare, &text, &opts)?;
+    if let Some(p) = &plot {
+        let models: Vec<(String, &crate::eval::PositionSums)> = c
+            .compared
+            .iter()
+            .map(|m| (m.model.clone(), &m.sums))
+            .collect();
+        let svg = crate::eval::plot::kl_by_position_svg(&models, opts.seqlen)?;
+        p.write(|tmp| Ok(std::fs::write(tmp, svg.as_bytes())?))?;
+    }
+    if a.print.json && a.compare.is_empty() {
+        crate::outln!("{}", serde_json::to_string_pretty(&c.reference)?);
+    } else if a.print.json {
+        crate::outln!("{}", serde_json::to_string_pretty(&c)?);
+    } else {
+        print_comparison(&src.description, &c);
+        if let Some(p) = &a.plot {
+            crate::outln!("wrote {}", p.display());
         }
     }
     Ok(())
@@ -872,27 +139,6 @@ fn plot_output(
         inputs.push(InputPath::new("--data", data));
     }
     OutputFile::check("--plot", path, force, &inputs)
-}
-
-/// An `inspect` report of either kind of folder.
-enum Inspected {
-    Quantized(crate::inspect::quantized::QuantInspectReport),
-    Plain(crate::inspect::InspectReport),
-}
-
-impl Inspected {
-    fn to_json(&self) -> Result<serde_json::Value> {
-        Ok(match self {
-            Self::Quantized(r) => serde_json::to_value(r)?,
-            Self::Plain(r) => serde_json::to_value(r)?,
-        })
-    }
-    fn print_text(&self) {
-        match self {
-            Self::Quantized(r) => r.print_text(),
-            Self::Plain(r) => r.print_text(),
-        }
-    }
 }
 
 fn print_comparison(reference: &str, c: &crate::eval::CompareReport) {
@@ -973,33 +219,232 @@ fn print_comparison(reference: &str, c: &crate::eval::CompareReport) {
     }
 }
 
-/// Entry point of the binary; returns the process exit code.
-pub fn main() -> i32 {
-    crate::interrupt::install();
-    let cli = match Cli::try_parse() {
-        Ok(c) => c,
-        Err(e) => {
-            // --help and --version are successes; everything else clap rejects is a usage error.
-            let code = if e.use_stderr() { 2 } else { 0 };
-            let _ = e.print();
-            return code;
-        }
+fn inspect(a: InspectArgs) -> Result<()> {
+    let quantized = crate::format::quantized::read_quant_info(&a.dir)?.is_some();
+    let inspect = || -> Result<Inspected> {
+        Ok(if quantized {
+            Inspected::Quantized(crate::inspect::quantized::inspect_quantized(&a.dir)?)
+        } else {
+            Inspected::Plain(crate::inspect::inspect(&a.dir)?)
+        })
     };
-    let code = match run(cli) {
-        Ok(()) => 0,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            1
+    let Some(engine) = a.engine else {
+        let r = inspect()?;
+        if a.print.json {
+            crate::outln!("{}", serde_json::to_string_pretty(&r.to_json()?)?);
+        } else {
+            r.print_text();
         }
+        return Ok(());
     };
-    // A reader that closed the pipe early (`| head`) wanted no more: not an error. A full or
-    // failing stdout is, though the work itself (a written checkpoint) is complete.
-    match crate::output::finish() {
-        Some(e) if e.kind() == std::io::ErrorKind::BrokenPipe => code,
-        Some(e) => {
-            eprintln!("error: cannot write to standard output: {e}");
-            code.max(1)
+    // The engine's view first: it explains a failure better than validation, and the full
+    // validation (which reads every tensor) runs only when it passes.
+    let check = crate::engine::check_dir(&a.dir, engine, a.legacy_marlin)?;
+    let validated = if check.loads {
+        inspect()
+    } else {
+        Err(anyhow::anyhow!("not validated: the engine check failed"))
+    };
+    print_engine_inspection(&a, &check, &validated)?;
+    if !check.loads {
+        bail!("{}", check.error_text(&a.dir.display().to_string()));
+    }
+    validated.map(|_| ())
+}
+
+/// `inspect --engine`: the engine's check, and the validation where it ran.
+fn print_engine_inspection(
+    a: &InspectArgs,
+    check: &crate::engine::EngineCheck,
+    validated: &Result<Inspected>,
+) -> Result<()> {
+    if a.print.json {
+        let doc = serde_json::json!({
+            "inspect": match validated {
+                Ok(r) => r.to_json()?,
+                Err(_) => serde_json::Value::Null,
+            },
+            "validation_error": validated.as_ref().err().map(|e| format!("{e:#}")),
+            "engine": check,
+        });
+        crate::outln!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(());
+    }
+    if let Ok(r) = validated {
+        r.print_text();
+    }
+    check.print_text();
+    if let Err(e) = validated {
+        if check.loads {
+            crate::outln!("validation     FAILED: {e:#}");
         }
-        None => code,
+    }
+    Ok(())
+}
+
+/// An `inspect` report of either kind of folder.
+enum Inspected {
+    Quantized(crate::inspect::quantized::QuantInspectReport),
+    Plain(crate::inspect::InspectReport),
+}
+
+impl Inspected {
+    fn to_json(&self) -> Result<serde_json::Value> {
+        Ok(match self {
+            Self::Quantized(r) => serde_json::to_value(r)?,
+            Self::Plain(r) => serde_json::to_value(r)?,
+        })
+    }
+    fn print_text(&self) {
+        match self {
+            Self::Quantized(r) => r.print_text(),
+            Self::Plain(r) => r.print_text(),
+        }
+    }
+}
+
+fn synth(a: SynthArgs) -> Result<()> {
+    let cfg = match (&a.config, &a.preset) {
+        (Some(p), _) => crate::model::AnyConfig::from_file(p)?,
+        (None, Some(name)) => crate::model::config::preset(name)?.into(),
+        (None, None) => unreachable!("clap requires one of --config / --preset"),
+    };
+    let opts = crate::synth::SynthOptions {
+        out: a.out,
+        seed: a.seed,
+        tokenizer: a.tokenizer,
+        config_file: a.config.clone(),
+        shard_bytes: a.shard_size,
+        force: a.force,
+    };
+    let out = crate::synth::synth(&cfg, &opts)?;
+    eprintln!("wrote {} ({} parameters)", out.display(), cfg.param_count());
+    Ok(())
+}
+
+fn import_gguf(a: ImportGgufArgs) -> Result<()> {
+    let report = crate::gguf::import_gguf(&crate::gguf::ImportOptions {
+        gguf: a.gguf,
+        out: a.out,
+        force: a.force,
+        shard_bytes: a.shard_size,
+    })?;
+    a.print.report(&report, |r| r.print_text())
+}
+
+fn sensitivity(a: SensitivityArgs) -> Result<()> {
+    if a.plan_out.is_some()
+        && a.budget_gb.is_none()
+        && a.budget_pct.is_none()
+        && a.kl_target.is_none()
+    {
+        usage_error(
+            "--plan-out needs a plan to write: give --budget-gb, --budget-pct or --kl-target",
+        );
+    }
+    // --plan-out is checked against every input before anything is read or downloaded, and
+    // again with the resolved model's files.
+    let mut inputs = vec![InputPath::new("--quantized", &a.quantized)];
+    if a.data != "default" {
+        inputs.push(InputPath::new("--data", &a.data));
+    }
+    inputs.push(InputPath::new("--model", a.source.local_path()));
+    let check_plan_out = |inputs: &[InputPath]| {
+        a.plan_out
+            .as_ref()
+            .map(|p| OutputFile::check("--plan-out", p, a.force, inputs))
+            .transpose()
+    };
+    check_plan_out(&inputs)?;
+    let text = read_eval_text(&a.data)?;
+    let src = a.source.resolve()?;
+    inputs.extend(guard::model_inputs("--model", &src.dir));
+    inputs.extend(guard::model_inputs("--quantized", &a.quantized));
+    let plan_out = check_plan_out(&inputs)?;
+    let opts = sensitivity_options(&a)?;
+    let r = crate::sensitivity::sensitivity(&src.dir, &a.quantized, &text, &opts)?;
+    write_sensitivity(&a, &r, &opts, plan_out.as_ref())
+}
+
+fn sensitivity_options(a: &SensitivityArgs) -> Result<crate::sensitivity::SensitivityOptions> {
+    let (device, dtype) = a.forward.device.open()?;
+    Ok(crate::sensitivity::SensitivityOptions {
+        eval: PplOptions {
+            seqlen: a.seqlen,
+            max_windows: Some(a.max_windows),
+            bos: false,
+            dtype,
+            batch: a.forward.batch,
+            device,
+            sparse_attention: a.sparse_attention,
+            text_name: text_name(&a.data),
+        },
+        granularity: a.granularity,
+        alone: a.alone,
+        upgrade_bits: a.upgrade,
+        budget: match (a.budget_gb, a.budget_pct) {
+            (Some(gb), _) => Some(crate::sensitivity::Budget::Bytes((gb * 1e9) as u64)),
+            (None, Some(p)) => Some(crate::sensitivity::Budget::Percent(p)),
+            (None, None) => None,
+        },
+        kl_target: a.kl_target,
+    })
+}
+
+/// The sensitivity report, and the plan file where a plan has rules. A plan without rules would
+/// change nothing: it is not written (quantize refuses one), and the run fails after the table,
+/// saying why.
+fn write_sensitivity(
+    a: &SensitivityArgs,
+    r: &crate::sensitivity::SensitivityReport,
+    opts: &crate::sensitivity::SensitivityOptions,
+    plan_out: Option<&OutputFile>,
+) -> Result<()> {
+    let empty = r.plan.as_ref().is_some_and(|p| p.units.is_empty());
+    if let Some(out) = plan_out.filter(|_| !empty) {
+        crate::sensitivity::write_plan(out, r)?;
+    }
+    if a.print.json {
+        crate::outln!("{}", serde_json::to_string_pretty(r)?);
+    } else {
+        r.print_text();
+        if let Some(p) = a.plan_out.as_ref().filter(|_| !empty) {
+            crate::outln!("wrote {}", p.display());
+        }
+    }
+    if let Some(p) = a.plan_out.as_ref().filter(|_| empty) {
+        bail!(
+            "the plan chose no unit: {}; nothing was written to --plan-out {} (a plan without \
+             rules would change nothing)",
+            crate::sensitivity::empty_plan_reason(r, opts),
+            p.display()
+        );
+    }
+    Ok(())
+}
+
+/// A usage error found after parsing (a combination of options): the message, exit code 2, as
+/// clap's own, before any work.
+fn usage_error(msg: impl std::fmt::Display) -> ! {
+    use clap::CommandFactory;
+    Cli::command()
+        .error(clap::error::ErrorKind::ArgumentConflict, msg)
+        .exit()
+}
+
+fn read_eval_text(data: &str) -> Result<String> {
+    if data == "default" {
+        return Ok(DEFAULT_EVAL_TEXT.to_string());
+    }
+    crate::checkpoint::guard::regular_file(std::path::Path::new(data), "--data")?;
+    std::fs::read_to_string(data).with_context(|| format!("cannot read --data {data}"))
+}
+
+/// `--data` as messages name it.
+fn text_name(data: &str) -> String {
+    if data == "default" {
+        "the built-in evaluation text (--data default)".to_string()
+    } else {
+        format!("--data {data}")
     }
 }

@@ -19,7 +19,7 @@ use cudarc::cusolver::sys as cusolver;
 use cudarc::driver::CudaSlice;
 
 use super::plan::{ParamsAt, SolvePlan};
-use super::solver::{
+use super::types::{
     check_finite_one, dead_columns_and_order, not_positive_definite, FactorData, Factorization,
     QuantizedLinear, SolveOptions, SolveTimings,
 };
@@ -70,7 +70,7 @@ pub(super) fn factorize(h: &Tensor, opts: &SolveOptions) -> Result<Factorization
 /// identity as the CPU twin: one Cholesky of `J·H·J` and one triangular inverse, in f64, or in
 /// f32 with `--factor-precision f32`). L⁻¹ is a recursive blocked inverse whose work is two
 /// triangular matrix products per level (K³/3 FLOP in all, against K³ for a triangular solve
-/// against I; docs/decisions.md, GPU factorization).
+/// against I; docs/decisions.md, L⁻¹ on the GPU by a recursive blocked inverse).
 #[allow(clippy::too_many_arguments)]
 fn inverse_cholesky_upper(
     dev: &CudaDevice,

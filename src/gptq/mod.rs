@@ -9,6 +9,7 @@
 //!   lazy updates (f32) in static, dynamic or no act-order; [`rtn_quantize`] is the no-feedback
 //!   baseline with the same quantizer.
 
+mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod hessian;
@@ -16,12 +17,15 @@ mod plan;
 mod quantizer;
 mod refit;
 mod solver;
+mod types;
 
+pub use cpu::rtn_quantize;
 pub use hessian::HessianAccumulator;
 pub use plan::{ParamsAt, SolvePlan};
 pub use quantizer::{dequantize_code, quantize_code, QuantParams};
 pub use refit::{refit_scales, RefitStats};
-pub use solver::{
-    factorize, gptq_quantize, gptq_quantize_factored, rtn_quantize, valid_damp, ActOrder,
-    Factorization, QuantizedLinear, SolveOptions, SolveTimings,
+pub use solver::{factorize, gptq_quantize, gptq_quantize_factored};
+pub use types::{
+    valid_damp, ActOrder, FactorPrecision, Factorization, QuantizedLinear, SolveOptions,
+    SolveTimings,
 };

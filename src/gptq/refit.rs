@@ -13,7 +13,7 @@ use candle_core::{DType, Device, Tensor, D};
 use half::f16;
 use rayon::prelude::*;
 
-use super::solver::QuantizedLinear;
+use super::types::QuantizedLinear;
 
 /// Relative ridge on the normal equations: pulls a scale whose group carries no signal (all
 /// codes at the zero point, or inputs that are always zero) to its old value.

@@ -429,7 +429,7 @@ pub fn count_nonfinite(dev: &CudaDevice, t: &Tensor) -> Result<u32> {
 static PINNED_CODES: Mutex<Option<cudarc::driver::PinnedHostSlice<u8>>> = Mutex::new(None);
 
 /// The codes of a solve on the host: a DMA into a reused page-locked buffer and one parallel
-/// copy out of it (docs/decisions.md, GPU solver: a plain pageable copy was up to 2× slower).
+/// copy out of it (docs/decisions.md, Codes leave the GPU through a page-locked staging buffer: a plain pageable copy was up to 2× slower).
 pub fn codes_to_host(stream: &Arc<CudaStream>, codes: &CudaSlice<u8>) -> Result<Vec<u8>> {
     let n = codes.len();
     let ctx = stream.context();
@@ -655,7 +655,7 @@ impl Real {
 /// L⁻¹ of the lower-triangular `[k, k]` matrix at `l` (column-major, `real`) into `x`, which
 /// holds I on entry, on the device's cuBLAS handle: a recursive blocked inverse whose work is two
 /// triangular matrix products per level (K³/3 FLOP in all, against K³ for a triangular solve
-/// against I; docs/decisions.md, GPU factorization).
+/// against I; docs/decisions.md, L⁻¹ on the GPU by a recursive blocked inverse).
 pub fn lower_inverse(dev: &CudaDevice, l: u64, x: u64, k: usize, real: Real) -> Result<()> {
     let blas = dev.cublas_handle();
     lower_inverse_rec(*blas.handle(), l, x, k, 0, k, real)

@@ -325,14 +325,65 @@ impl Config {
         }
     }
 
-    /// InfLLM-v2's settings, checked against what its kernels take.
+    /// InfLLM-v2's settings from `sparse_config`, refused (naming the key) where its kernels
+    /// could not run them: other window or block shapes, a query-to-kv head ratio that does not divide 16, or
+    /// a head dimension other than 128.
     pub fn infllm(&self) -> Result<InfllmV2> {
-        InfllmV2::new(
-            &self.sparse_config,
+        use super::infllm::{BLOCK_SIZE, GROUP, HEAD_DIM, KERNEL_SIZE, KERNEL_STRIDE};
+        let sc = &self.sparse_config;
+        let (heads, kv_heads, head_dim) = (
             self.num_attention_heads,
             self.num_key_value_heads,
             self.sparse_head_dim(),
-        )
+        );
+        for (key, v, want) in [
+            ("sparse_config.kernel_size", sc.kernel_size, KERNEL_SIZE),
+            (
+                "sparse_config.kernel_stride",
+                sc.kernel_stride,
+                KERNEL_STRIDE,
+            ),
+            ("sparse_config.block_size", sc.block_size, BLOCK_SIZE),
+        ] {
+            if v != want {
+                bail!(
+                    "{key} is {v}: InfLLM-v2's kernels (and so the model as served) take only \
+                     {want}; fix the config, or keep every sequence below \
+                     sparse_config.dense_len = {} with --sparse-attention auto",
+                    sc.dense_len
+                );
+            }
+        }
+        if sc.window_size < sc.block_size {
+            bail!(
+                "sparse_config.window_size is {}: the local window must hold at least one block \
+                 of sparse_config.block_size = {} tokens",
+                sc.window_size,
+                sc.block_size
+            );
+        }
+        let ratio = heads / kv_heads.max(1);
+        if ratio == 0 || !GROUP.is_multiple_of(ratio) || !heads.is_multiple_of(kv_heads.max(1)) {
+            bail!(
+                "num_attention_heads / num_key_value_heads is {heads} / {kv_heads}: InfLLM-v2's \
+                 kernels group 16 query heads per kv head and take ratios that divide 16"
+            );
+        }
+        if head_dim != HEAD_DIM {
+            bail!(
+                "the sparse layers' head dimension is {head_dim} (hidden_size / \
+                 num_attention_heads): InfLLM-v2's kernels are built for {HEAD_DIM} only"
+            );
+        }
+        let local_blocks = sc.window_size / sc.block_size;
+        Ok(InfllmV2 {
+            kernel_size: sc.kernel_size,
+            kernel_stride: sc.kernel_stride,
+            block_size: sc.block_size,
+            init_blocks: sc.init_blocks,
+            local_blocks,
+            topk: sc.topk + local_blocks,
+        })
     }
 
     pub fn mixer(&self, layer: usize) -> MixerKind {

@@ -10,8 +10,7 @@
 //! `tests/integration/forward_reference.rs` checks it against an f64 oracle written from the
 //! same description.
 
-use super::config::SparseConfig;
-use anyhow::{bail, ensure, Result};
+use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 
 /// The official kernels' fixed shapes: a compressed key is the mean of 32 keys every 16, the
@@ -40,60 +39,6 @@ pub struct InfllmV2 {
 }
 
 impl InfllmV2 {
-    /// The settings of `sc`, refused (naming the key) where the official kernels could not run
-    /// them: other window or block shapes, a query-to-kv head ratio that does not divide 16, or
-    /// a head dimension other than 128.
-    pub fn new(sc: &SparseConfig, heads: usize, kv_heads: usize, head_dim: usize) -> Result<Self> {
-        for (key, v, want) in [
-            ("sparse_config.kernel_size", sc.kernel_size, KERNEL_SIZE),
-            (
-                "sparse_config.kernel_stride",
-                sc.kernel_stride,
-                KERNEL_STRIDE,
-            ),
-            ("sparse_config.block_size", sc.block_size, BLOCK_SIZE),
-        ] {
-            if v != want {
-                bail!(
-                    "{key} is {v}: InfLLM-v2's kernels (and so the model as served) take only \
-                     {want}; fix the config, or keep every sequence below \
-                     sparse_config.dense_len = {} with --sparse-attention auto",
-                    sc.dense_len
-                );
-            }
-        }
-        if sc.window_size < sc.block_size {
-            bail!(
-                "sparse_config.window_size is {}: the local window must hold at least one block \
-                 of sparse_config.block_size = {} tokens",
-                sc.window_size,
-                sc.block_size
-            );
-        }
-        let ratio = heads / kv_heads.max(1);
-        if ratio == 0 || !GROUP.is_multiple_of(ratio) || !heads.is_multiple_of(kv_heads.max(1)) {
-            bail!(
-                "num_attention_heads / num_key_value_heads is {heads} / {kv_heads}: InfLLM-v2's \
-                 kernels group 16 query heads per kv head and take ratios that divide 16"
-            );
-        }
-        if head_dim != HEAD_DIM {
-            bail!(
-                "the sparse layers' head dimension is {head_dim} (hidden_size / \
-                 num_attention_heads): InfLLM-v2's kernels are built for {HEAD_DIM} only"
-            );
-        }
-        let local_blocks = sc.window_size / sc.block_size;
-        Ok(Self {
-            kernel_size: sc.kernel_size,
-            kernel_stride: sc.kernel_stride,
-            block_size: sc.block_size,
-            init_blocks: sc.init_blocks,
-            local_blocks,
-            topk: sc.topk + local_blocks,
-        })
-    }
-
     /// Compressed keys of the first (`kernel_size` every `kernel_stride`) and second (4× both)
     /// compressor for `t` tokens: complete windows only.
     pub fn compressed_len(&self, t: usize, second: bool) -> usize {

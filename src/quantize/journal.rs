@@ -4,13 +4,13 @@
 //! rows of each finished layer. The hidden states are not stored: a resumed run regenerates them
 //! by replaying the finished layers with their stored weights, which reproduces them exactly.
 
+use super::hashes::Hashes;
 use super::report::ModuleRow;
-use super::Settings;
+use super::settings::{flag_name, Recorded};
 use crate::checkpoint::writer::{self, sha256_file, TensorSpec};
 use crate::checkpoint::{Checkpoint, Dtype};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -23,16 +23,6 @@ pub struct Packed {
     pub qzeros: Vec<i32>,
     pub scales_f16: Vec<u8>,
     pub g_idx: Vec<i32>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct Hashes {
-    pub config_sha256: String,
-    /// SHA-256 of every safetensors file of the source model.
-    pub source_sha256: BTreeMap<String, String>,
-    pub calibration_sha256: String,
-    pub settings_sha256: String,
-    pub tool_version: String,
 }
 
 /// The shards' SHA-256 by file name, and the seconds the checks took.
@@ -102,26 +92,6 @@ impl SourceChecks {
     }
 }
 
-impl Hashes {
-    /// The hashes of a run: the source shards' (from [`source_sha256`]), its config's, the
-    /// settings' and the calibration's.
-    pub fn new(
-        src_dir: &Path,
-        source_sha256: BTreeMap<String, String>,
-        settings: &Settings,
-        calibration_sha256: &str,
-    ) -> Result<Self> {
-        let settings_json = serde_json::to_vec(settings)?;
-        Ok(Self {
-            config_sha256: sha256_file(&src_dir.join("config.json"))?,
-            source_sha256,
-            calibration_sha256: calibration_sha256.to_string(),
-            settings_sha256: writer::hex(&Sha256::digest(&settings_json)),
-            tool_version: env!("CARGO_PKG_VERSION").to_string(),
-        })
-    }
-}
-
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct JournalLayer {
     pub index: usize,
@@ -143,7 +113,7 @@ pub struct Journal {
 }
 
 impl Journal {
-    pub fn new(hashes: Hashes, settings: &Settings) -> Result<Self> {
+    pub fn new(hashes: Hashes, settings: &Recorded) -> Result<Self> {
         Ok(Self {
             version: JOURNAL_VERSION,
             hashes,
@@ -208,7 +178,7 @@ impl Journal {
 
     /// Refuses to resume when anything that determines the output has changed, naming it (for
     /// the settings, each one that differs, where the journal holds them).
-    pub fn check_matches(&self, now: &Hashes, settings: &Settings) -> Result<()> {
+    pub fn check_matches(&self, now: &Hashes, settings: &Recorded) -> Result<()> {
         let h = &self.hashes;
         let what = if h.tool_version != now.tool_version {
             format!(
@@ -243,33 +213,6 @@ impl Journal {
     }
 }
 
-/// How a setting (a key of [`Settings`]) is named in messages: by its flag.
-fn setting_name(key: &str) -> &str {
-    match key {
-        "method" => "--method",
-        "gptaq_alpha" => "--gptaq-alpha",
-        "bits" => "--bits",
-        "group_size" => "--group-size",
-        "act_order" => "--act-order",
-        "sym" => "symmetric (--asym)",
-        "damp" => "--damp",
-        "mse" => "the MSE search (--no-mse)",
-        "refit" => "--refit",
-        "true_sequential" => "true-sequential (--no-true-sequential)",
-        "nsamples" => "--nsamples",
-        "seqlen" => "--seqlen",
-        "seed" => "--seed",
-        "skip" => "--skip",
-        "plan" => "--plan",
-        "calib" => "--calib",
-        "dtype" => "--dtype",
-        "device_kind" => "the device (--device)",
-        "batch" => "--batch",
-        "load_hessians" => "--load-hessians",
-        other => other,
-    }
-}
-
 /// Every setting that differs between `then` (the journal's) and `now`, with both values; for
 /// `--plan`, the first modules whose bits, group size or 16 bits differ.
 fn settings_diff(then: &serde_json::Value, now: &serde_json::Value) -> Vec<String> {
@@ -289,7 +232,7 @@ fn settings_diff(then: &serde_json::Value, now: &serde_json::Value) -> Vec<Strin
     keys.into_iter()
         .filter(|k| a.get(*k) != b.get(*k))
         .map(|k| {
-            let name = setting_name(k);
+            let name = flag_name(k);
             if k == "plan" {
                 let entries = |v: Option<&serde_json::Value>| -> BTreeMap<String, String> {
                     v.and_then(|v| v.as_array())

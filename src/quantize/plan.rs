@@ -10,7 +10,7 @@
 
 use crate::format::quantized::{engine_name, exact_pattern, skip_rules, DynamicRule};
 use crate::model::AnyConfig;
-use crate::scheme::GroupSize;
+use crate::scheme::{Bits, GroupSize};
 use anyhow::{anyhow, bail, Result};
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -18,7 +18,7 @@ use serde_json::{Map, Value};
 /// Bits and group size of a quantized Linear.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Scheme {
-    pub bits: u8,
+    pub bits: Bits,
     pub group_size: GroupSize,
 }
 
@@ -143,13 +143,15 @@ fn by_rules(
             r.key
         );
     }
-    let bits = o.bits.unwrap_or(default.bits);
-    if ![2, 3, 4, 8].contains(&bits) {
-        bail!(
-            "--plan rule {:?} asks for {bits} bits: GPTQ packing takes 2, 3, 4 or 8",
-            r.key
-        );
-    }
+    let bits = match o.bits {
+        None => default.bits,
+        Some(b) => Bits::new(b).ok_or_else(|| {
+            anyhow!(
+                "--plan rule {:?} asks for {b} bits: GPTQ packing takes 2, 3, 4 or 8",
+                r.key
+            )
+        })?,
+    };
     Ok((
         ModulePlan::Quantize(Scheme {
             bits,
@@ -451,7 +453,7 @@ fn check_shape(full: &str, n: usize, k: usize, s: Scheme, default: bool) -> Resu
             s.group_size
         );
     }
-    let (block, _) = crate::format::pack::block_shape(s.bits)?;
+    let (block, _) = crate::format::pack::block_shape(s.bits.get())?;
     if !n.is_multiple_of(block) || !k.is_multiple_of(block) {
         bail!(
             "{full} is [{n}, {k}]: {}-bit GPTQ packing needs both dimensions to be multiples of \
@@ -480,7 +482,7 @@ mod tests {
     }
 
     const DEFAULT: Scheme = Scheme {
-        bits: 4,
+        bits: Bits::B4,
         group_size: GroupSize::G128,
     };
 

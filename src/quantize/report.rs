@@ -1,7 +1,7 @@
 //! What `quantize` reports: one row per module and `quantize_report.json`.
 
-use super::journal::Hashes;
-use super::Settings;
+use super::hashes::Hashes;
+use super::Recorded;
 use crate::calib::SourceUsage;
 use crate::model::LinearGroup;
 use serde::{Deserialize, Serialize};
@@ -75,7 +75,7 @@ pub struct QuantizeReport {
     pub tool: String,
     pub model: String,
     pub output: String,
-    pub settings: Settings,
+    pub settings: Recorded,
     pub calibration: Vec<SourceUsage>,
     pub calibration_sha256: String,
     pub hashes: Hashes,
@@ -129,14 +129,14 @@ impl QuantizeReport {
             "\n{} of {} modules quantized ({} {}-bit, group {}, act-order {}); {:.1} s in all, peak memory {}",
             q,
             self.modules.len(),
-            match self.settings.method {
+            match self.settings.flags.method {
                 super::Method::Gptq => "GPTQ",
                 super::Method::Gptaq => "GPTAQ",
                 super::Method::Rtn => "RTN",
             },
-            self.settings.bits,
-            self.settings.group_size,
-            self.settings.act_order,
+            self.settings.flags.bits,
+            self.settings.flags.group_size,
+            self.settings.flags.act_order,
             self.total_seconds,
             self.peak_rss_bytes.map(|b| format!("{:.2} GB", b as f64 / 1e9)).unwrap_or_else(|| "unknown".into())
         );

@@ -81,6 +81,31 @@ fn looks_like_repo_id(s: &str) -> bool {
         })
 }
 
+/// `--model` and `--revision`, as every command that reads a 16-bit model takes them.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// Model folder or hub repo id (org/name).
+    #[arg(long)]
+    pub model: String,
+    /// Hub revision (branch, tag or commit) when --model is a repo id.
+    #[arg(long)]
+    pub revision: Option<String>,
+}
+
+impl ModelArgs {
+    /// Resolves the model ([`resolve`]).
+    pub fn resolve(&self) -> Result<ModelSource> {
+        resolve(&self.model, self.revision.as_deref())
+    }
+
+    /// Where the model's files are before it is resolved (what an output is checked against
+    /// before anything is downloaded): its folder in the hub cache for a repo id, else the path
+    /// as given.
+    pub fn local_path(&self) -> PathBuf {
+        cache_repo_dir(&self.model).unwrap_or_else(|| PathBuf::from(&self.model))
+    }
+}
+
 /// The cache folder (`models--org--name`) that a hub `--model` resolves into, whether or not
 /// it exists yet; `None` when `spec` is a local path.
 pub fn cache_repo_dir(spec: &str) -> Option<PathBuf> {

@@ -10,6 +10,7 @@
 mod common;
 
 mod architecture;
+mod docs;
 mod engines;
 mod faults;
 mod format_quantized;

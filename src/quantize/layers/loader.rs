@@ -1,7 +1,6 @@
 //! Where each decoder layer's weights come from: the checkpoint, or (on a GPU) a page-locked
 //! stage a thread filled with the layer while the previous one computed.
 
-use super::super::QuantizeOptions;
 use crate::checkpoint::Checkpoint;
 use crate::model::AnyConfig;
 use anyhow::Result;
@@ -43,8 +42,8 @@ pub(super) struct LayerLoader {
 }
 
 impl LayerLoader {
-    pub(super) fn new(opts: &QuantizeOptions, cfg: &AnyConfig, ck: &Checkpoint) -> Result<Self> {
-        let stages = if opts.device.is_cuda() {
+    pub(super) fn new(device: &Device, cfg: &AnyConfig, ck: &Checkpoint) -> Result<Self> {
+        let stages = if device.is_cuda() {
             let mut bytes = 0usize;
             for i in 0..cfg.num_hidden_layers() {
                 let mut sum = 0;
@@ -54,7 +53,7 @@ impl LayerLoader {
                 bytes = bytes.max(sum);
             }
             // Without page-locked memory (a memlock limit, say) layers load from the checkpoint.
-            Self::pinned(&opts.device, bytes).unwrap_or(None)
+            Self::pinned(device, bytes).unwrap_or(None)
         } else {
             None
         };

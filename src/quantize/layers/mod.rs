@@ -15,7 +15,7 @@ use super::journal::{self, Journal, JournalLayer, SourceChecks};
 use super::plan::Plan;
 use super::stages::Stages;
 use super::stream::StreamFeed;
-use super::{ModuleRow, QuantizeOptions};
+use super::{Compute, ModuleRow, Settings};
 use crate::checkpoint::guard::InputPath;
 use crate::checkpoint::Checkpoint;
 use crate::gptq::QuantParams;
@@ -31,7 +31,9 @@ use std::time::Instant;
 /// calibration windows, the plan (each Linear's scheme, or kept in 16 bits) and the journal
 /// folder.
 pub(super) struct LayerRun<'a> {
-    pub opts: &'a QuantizeOptions,
+    pub opts: &'a Settings,
+    /// The device and precisions the flags resolved to.
+    pub compute: &'a Compute,
     pub cfg: &'a AnyConfig,
     pub ck: &'a Checkpoint,
     pub windows: &'a [Vec<u32>],
@@ -76,7 +78,7 @@ impl LayerRun<'_> {
         checks: &mut SourceChecks,
     ) -> Result<()> {
         let mut pass = Pass::start(self, stages)?;
-        let mut loader = LayerLoader::new(self.opts, self.cfg, self.ck)?;
+        let mut loader = LayerLoader::new(&self.compute.device, self.cfg, self.ck)?;
         for entry in journal.layers.clone() {
             pass.replay(&entry)?;
         }

@@ -105,19 +105,20 @@ impl<'r, 's> Pass<'r, 's> {
     /// where `run.residency` says.
     pub(super) fn start(run: &'r LayerRun<'r>, stages: &'s mut Stages) -> Result<Self> {
         let opts = run.opts;
-        let mut clock = StageClock::new(&opts.device);
-        let model = AnyModel::load(run.ck, run.cfg, opts.dtype, &opts.device)
+        let compute = run.compute;
+        let mut clock = StageClock::new(&compute.device);
+        let model = AnyModel::load(run.ck, run.cfg, compute.dtype, &compute.device)
             .context("loading the embedding")?;
         // With saved Hessians no forward runs at all: each Linear is solved from its file; RTN
         // reads no activations either.
         let calibrate = opts.load_hessians.is_none() && opts.method.uses_hessians();
         let r = &run.residency;
-        let mut states = States::new(r.states, &opts.device, Some(&run.spill), "h")?;
+        let mut states = States::new(r.states, &compute.device, Some(&run.spill), "h")?;
         if calibrate {
             for range in crate::calib::batch_ranges(run.windows, opts.batch) {
                 let b = &run.windows[range];
                 let flat: Vec<u32> = b.iter().flatten().copied().collect();
-                let ids = Tensor::from_vec(flat, (b.len(), b[0].len()), &opts.device)?;
+                let ids = Tensor::from_vec(flat, (b.len(), b[0].len()), &compute.device)?;
                 states.push(model.embed(&ids)?)?;
             }
         }
@@ -144,7 +145,7 @@ impl<'r, 's> Pass<'r, 's> {
     /// Replays a layer a previous run finished: its stored codes decoded into the layer, then
     /// the forward, exactly as after its solve.
     pub(super) fn replay(&mut self, entry: &JournalLayer) -> Result<()> {
-        let opts = self.run.opts;
+        let compute = self.run.compute;
         self.pb
             .set_message(format!("layer {} (replaying journal)", entry.index));
         let mut layer = self.model.load_layer(self.run.ck, entry.index)?;
@@ -165,10 +166,10 @@ impl<'r, 's> Pass<'r, 's> {
                 &p,
                 n,
                 k,
-                scheme.bits,
+                scheme.bits.get(),
                 self.run.layout,
-                opts.dtype,
-                &opts.device,
+                compute.dtype,
+                &compute.device,
             )?;
         }
         self.stages.load += self.clock.lap()?;
@@ -218,7 +219,7 @@ impl<'r, 's> Pass<'r, 's> {
                 };
                 self.pb.set_message(format!("layer {i}: solving {m}"));
                 let quant = gptq::QuantParams {
-                    bits: scheme.bits,
+                    bits: scheme.bits.get(),
                     group_size: scheme.group_size,
                     ..self.run.quant
                 };
@@ -254,7 +255,7 @@ impl<'r, 's> Pass<'r, 's> {
         i: usize,
         staged: Option<&Stage>,
     ) -> Result<(AnyLayer, Option<AnyLayer>)> {
-        let opts = self.run.opts;
+        let compute = self.run.compute;
         let ck = self.run.ck;
         let get = |name: &str| -> Result<Tensor> {
             if let Some(st) = staged {
@@ -262,11 +263,11 @@ impl<'r, 's> Pass<'r, 's> {
                     .get(name)
                     .ok_or_else(|| anyhow!("no tensor {name}"))?
                     .shape;
-                if let Some(t) = st.upload(&opts.device, name, ck.stored_dtype(name)?, shape)? {
-                    return Ok(t.to_dtype(opts.dtype)?);
+                if let Some(t) = st.upload(&compute.device, name, ck.stored_dtype(name)?, shape)? {
+                    return Ok(t.to_dtype(compute.dtype)?);
                 }
             }
-            ck.tensor(name, opts.dtype, &opts.device)
+            ck.tensor(name, compute.dtype, &compute.device)
         };
         let load = || {
             AnyLayer::from_tensors(self.run.cfg, i, &get)
@@ -283,7 +284,7 @@ impl<'r, 's> Pass<'r, 's> {
         // The stage's copies to the device are done before it can be refilled or freed, whether
         // the load worked or not.
         if staged.is_some() {
-            opts.device.synchronize()?;
+            compute.device.synchronize()?;
         }
         let r = loaded?;
         self.stages.load += self.clock.lap()?;
@@ -305,7 +306,7 @@ impl<'r, 's> Pass<'r, 's> {
                 .expect("each group has a Linear")
                 .0;
             let k = layer.linear_mut(m)?.weight.dim(1)?;
-            let mut a = HessianAccumulator::new(k, &self.run.opts.device)?;
+            let mut a = HessianAccumulator::new(k, &self.run.compute.device)?;
             a.set_module_names(
                 linears
                     .iter()
@@ -346,10 +347,11 @@ impl<'r, 's> Pass<'r, 's> {
         fp_caches: &mut (Cache, Cache),
     ) -> Result<()> {
         let opts = self.run.opts;
+        let compute = self.run.compute;
         match &opts.load_hessians {
             Some(dir) => {
                 for (g, a) in subset.acc.iter_mut() {
-                    *a = load_saved_hessian(dir, i, *g, a, &opts.device)?;
+                    *a = load_saved_hessian(dir, i, *g, a, &compute.device)?;
                 }
                 self.stages.hessians += self.clock.lap()?;
             }
@@ -506,6 +508,7 @@ impl<'r, 's> Pass<'r, 's> {
         out: &mut LayerResult,
     ) -> Result<()> {
         let opts = self.run.opts;
+        let compute = self.run.compute;
         let full = format!("model.layers.{i}.{m}");
         let t = Instant::now();
         let lin = layer.linear_mut(m)?;
@@ -516,7 +519,7 @@ impl<'r, 's> Pass<'r, 's> {
             damp: opts.damp,
             block_size: 128,
             module: full.clone(),
-            factor: self.run.opts.factor_precision,
+            factor: self.run.compute.factor_precision,
         };
         if opts.method.uses_hessians() && !subset.factors.contains_key(&g) {
             let fopts = SolveOptions {
@@ -551,7 +554,7 @@ impl<'r, 's> Pass<'r, 's> {
             }
         }
         let (n, k) = (q.n, q.k);
-        let deq = decode_codes(&q, opts.dtype, &opts.device)?;
+        let deq = decode_codes(&q, compute.dtype, &compute.device)?;
         q.device_codes = None;
         self.stages.decode += self.clock.lap()?;
         let rel = match subset.hessians.get(&g) {

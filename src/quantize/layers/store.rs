@@ -8,49 +8,10 @@
 //! state when it is needed again, with the same operations, so the output does not depend on
 //! where anything was kept.
 
+pub use crate::quantize::stages::{Residency, Tier};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use std::path::{Path, PathBuf};
-
-/// Where the hidden states of a run live.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Tier {
-    /// On the compute device.
-    Device,
-    /// In host memory (GPU runs), copied to the device for each pass.
-    Host,
-    /// In files under the output's partial folder, read back for each pass.
-    Disk,
-}
-
-impl Tier {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Device => "on the compute device",
-            Self::Host => "in host memory",
-            Self::Disk => "on disk",
-        }
-    }
-}
-
-/// Where a run keeps its activations: the hidden states' tier, and the bytes the per-layer
-/// caches may hold on the compute device (what does not fit is recomputed).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub struct Residency {
-    pub states: Tier,
-    pub cache_bytes: u64,
-}
-
-impl Residency {
-    /// Everything on the compute device, caches unbounded: the layer loop as it always ran.
-    pub fn resident() -> Self {
-        Self {
-            states: Tier::Device,
-            cache_bytes: u64::MAX,
-        }
-    }
-}
 
 /// Bytes left for the optional per-batch caches.
 #[derive(Debug)]

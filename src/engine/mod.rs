@@ -15,6 +15,7 @@
 //! Every rule and its source (file and function of the engine) is in docs/engines.md.
 
 pub mod config;
+mod linears;
 pub mod loader;
 mod rules;
 mod sglang;
@@ -32,7 +33,7 @@ use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-pub use loader::{EngineModule, Method};
+pub use linears::{EngineModule, Method};
 
 /// A serving engine whose loader is emulated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]

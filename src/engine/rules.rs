@@ -4,7 +4,7 @@
 //! release that changes a rule changes one field or one function of its file, and the rows of its
 //! table of findings at the end of that file.
 
-use super::loader::{Decision, EngineLinear, Method, Quantized};
+use super::linears::{Decision, EngineLinear, Method, Quantized};
 use super::Findings;
 
 /// One engine's rules (docs/engines.md states each with its source).

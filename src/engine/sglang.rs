@@ -3,7 +3,7 @@
 //! `dynamic` rules matched against the fused names, gptq_marlin when the settings allow it and
 //! plain gptq (float16 only) otherwise, `KeyError` on a tensor it builds no parameter for.
 
-use super::loader::{apply_dynamic, marlin_incompatibility, Method, Quantized, RELABELLED_FIX};
+use super::linears::{apply_dynamic, marlin_incompatibility, Method, Quantized, RELABELLED_FIX};
 use super::rules::Rules;
 use super::Findings;
 use crate::format::quantized::QuantFormat;

@@ -4,7 +4,7 @@
 //! quantized ones; an "unexpected keys" warning (the weight is lost) on a tensor it builds no
 //! parameter for.
 
-use super::loader::{Decision, EngineLinear, Method, Quantized};
+use super::linears::{Decision, EngineLinear, Method, Quantized};
 use super::rules::Rules;
 use super::Findings;
 use crate::format::quantized::QuantFormat;

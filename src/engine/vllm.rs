@@ -4,7 +4,7 @@
 //! Linear quantized only if its tensors are; the head quantized when `lm_head` is true;
 //! "There is no module or parameter named ..." on a tensor it builds no parameter for.
 
-use super::loader::{
+use super::linears::{
     apply_dynamic, marlin_incompatibility, Decision, EngineLinear, Method, Quantized,
     RELABELLED_FIX,
 };

@@ -43,8 +43,8 @@ use crate::format::marlin::{
 };
 use crate::format::pack::i32_to_le_bytes;
 use crate::format::quantized::{
-    at, read_json, read_quant_info, validate_quantized_modules, QuantFormat, QuantModule,
-    CONFIG_FILE, QUANTIZE_CONFIG_FILE, SORT_INDICES_SUFFIX,
+    at, read_json, read_quant_info, validate_quantized_modules, QuantFormat, QuantInfo,
+    QuantModule, CONFIG_FILE, QUANTIZE_CONFIG_FILE, SORT_INDICES_SUFFIX,
 };
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use half::f16;
@@ -214,6 +214,74 @@ pub fn pack_marlin_checkpoint(
     engine: Option<Engine>,
 ) -> Result<PackMarlinReport> {
     let t0 = Instant::now();
+    let info = read_gptq_info(input)?;
+    // Checked before anything is read: an --out that aliases --in would destroy it.
+    crate::checkpoint::guard::check_output("--out", out, &[], &model_inputs("--in", input))?;
+    let ck = Checkpoint::open(input)?;
+    ck.check_finite()?;
+    let expected = crate::model::expected_bf16_tensors(input).ok();
+    let modules = packable_modules(input, &ck, &info, expected.as_deref())?;
+
+    let mut stages = PackStages::default();
+    let mut mark = Instant::now();
+    let mut lap = |slot: &mut f64| {
+        *slot = mark.elapsed().as_secs_f64();
+        mark = Instant::now();
+    };
+    stages.check = t0.elapsed().as_secs_f64();
+    let mut od = OutputDir::create(out, force, &model_inputs("--in", input))?;
+    crate::fault::delay("SOAR_GPTQ_TEST_PACK_DELAY_MS");
+    let layout = Layout::plan(&ck, &modules);
+    let shards = write_tensors(&ck, &mut od, &layout)?;
+    lap(&mut stages.write);
+
+    let config_edits = write_configs(input, &od, &info, engine)?;
+    // Tokenizer, generation config, remote code: byte copies (never the input's README.md:
+    // it describes the GPTQ folder; the Marlin folder gets its own below).
+    let side = side_files(input)?;
+    od.copy_from_source(input, &side)?;
+
+    verify_output(
+        &ck,
+        od.path(),
+        &modules,
+        &layout.copied,
+        expected.as_deref(),
+    )?;
+    lap(&mut stages.verify);
+    let (engine_check, engine_note) = check_engine(input, out, &od, engine)?;
+
+    lap(&mut stages.engine_check);
+    let quantized_bytes = layout.quantized_bytes();
+    let tensor_bytes = layout.specs.iter().map(TensorSpec::nbytes).sum();
+    write_file(
+        &od.path().join("README.md"),
+        marlin_card(input, &info, modules.len(), engine_check.as_ref()).as_bytes(),
+    )?;
+    let output = od.commit()?;
+    lap(&mut stages.commit);
+    Ok(PackMarlinReport {
+        input: input.display().to_string(),
+        output: output.display().to_string(),
+        input_format: info.format.checkpoint_format().to_string(),
+        modules_packed: modules.len(),
+        act_order_modules: modules.iter().filter(|m| m.desc_act).count(),
+        tensors_copied: layout.copied.len(),
+        quantized_bytes,
+        tensor_bytes,
+        shards,
+        side_files: side,
+        config_edits,
+        verified: true,
+        engine_check,
+        engine_note,
+        seconds: t0.elapsed().as_secs_f64(),
+        stages,
+    })
+}
+
+/// The quantization settings of `input`, refused unless it is a GPTQ (not yet Marlin) checkpoint.
+fn read_gptq_info(input: &Path) -> Result<QuantInfo> {
     let info = read_quant_info(input)?.ok_or_else(|| {
         anyhow!(
             "{} has no quantization_config in {CONFIG_FILE} and no {QUANTIZE_CONFIG_FILE}: \
@@ -227,18 +295,34 @@ pub fn pack_marlin_checkpoint(
         input.display(),
         info.source.display()
     );
-    // Checked before anything is read: an --out that aliases --in would destroy it.
-    crate::checkpoint::guard::check_output("--out", out, &[], &model_inputs("--in", input))?;
-    let ck = Checkpoint::open(input)?;
-    ck.check_finite()?;
-    let expected = crate::model::expected_bf16_tensors(input).ok();
-    let modules = validate_quantized_modules(&ck, &info, expected.as_deref())
+    Ok(info)
+}
+
+/// The quantized modules of the checkpoint, validated, each of a shape Marlin holds and with
+/// scales that fp16 holds exactly; refused (before anything is written) otherwise.
+fn packable_modules(
+    input: &Path,
+    ck: &Checkpoint,
+    info: &QuantInfo,
+    expected: Option<&[(String, Vec<usize>)]>,
+) -> Result<Vec<QuantModule>> {
+    let modules = validate_quantized_modules(ck, info, expected)
         .with_context(|| format!("{} is not a valid GPTQ checkpoint", input.display()))?;
     ensure!(
         !modules.is_empty(),
         "{} holds no quantized module (no *.qweight tensors): nothing to pack",
         input.display()
     );
+    refuse_unfit_shapes(input, &modules)?;
+    // Scales must survive the fp16 Marlin stores; check before anything is written.
+    modules
+        .par_iter()
+        .try_for_each(|m| scales_f16_bits(ck, &format!("{}.scales", m.prefix)).map(drop))?;
+    Ok(modules)
+}
+
+/// Refuses the checkpoint when any module does not fit the Marlin format, naming the first few.
+fn refuse_unfit_shapes(input: &Path, modules: &[QuantModule]) -> Result<()> {
     let refusals: Vec<String> = modules
         .iter()
         .filter_map(|m| {
@@ -271,90 +355,131 @@ pub fn pack_marlin_checkpoint(
             }
         );
     }
-    // Scales must survive the fp16 Marlin stores; check before anything is written.
-    modules
-        .par_iter()
-        .try_for_each(|m| scales_f16_bits(&ck, &format!("{}.scales", m.prefix)).map(drop))?;
+    Ok(())
+}
 
-    let mut stages = PackStages::default();
-    let mut mark = Instant::now();
-    let mut lap = |slot: &mut f64| {
-        *slot = mark.elapsed().as_secs_f64();
-        mark = Instant::now();
-    };
-    stages.check = t0.elapsed().as_secs_f64();
-    let mut od = OutputDir::create(out, force, &model_inputs("--in", input))?;
-    crate::fault::delay("SOAR_GPTQ_TEST_PACK_DELAY_MS");
-    let mut owner: HashMap<&str, &QuantModule> = HashMap::new();
-    for m in &modules {
-        for t in &m.tensors {
-            owner.insert(t.as_str(), m);
+/// The output's tensors in the input's order: per module `B`, the sort indices (act-order only)
+/// and `s` in place of its `qweight`, every tensor outside a module copied.
+struct Layout<'a> {
+    specs: Vec<TensorSpec>,
+    sources: HashMap<String, Source<'a>>,
+    /// Names of the tensors copied unchanged.
+    copied: Vec<String>,
+}
+
+impl<'a> Layout<'a> {
+    /// Lays out the output of `ck` whose quantized modules are `modules`.
+    fn plan(ck: &Checkpoint, modules: &'a [QuantModule]) -> Self {
+        let mut owner: HashMap<&str, &QuantModule> = HashMap::new();
+        for m in modules {
+            for t in &m.tensors {
+                owner.insert(t.as_str(), m);
+            }
         }
-    }
-    let mut specs = Vec::new();
-    let mut sources: HashMap<String, Source> = HashMap::new();
-    let mut copied = Vec::new();
-    for (name, e) in ck.entries() {
-        match owner.get(name.as_str()) {
-            Some(m) if *name == format!("{}.qweight", m.prefix) => {
-                let p = &m.prefix;
-                specs.push(TensorSpec::new(
-                    format!("{p}.B"),
-                    Dtype::I32,
-                    vec![m.k / 16, 2 * m.n],
-                ));
-                sources.insert(format!("{p}.B"), Source::Tiles(m));
-                if m.desc_act {
-                    let si = format!("{p}.{SORT_INDICES_SUFFIX}");
-                    specs.push(TensorSpec::new(si.clone(), Dtype::I32, vec![m.k]));
-                    sources.insert(si, Source::SortIndices(m));
+        let mut l = Layout {
+            specs: Vec::new(),
+            sources: HashMap::new(),
+            copied: Vec::new(),
+        };
+        for (name, e) in ck.entries() {
+            match owner.get(name.as_str()) {
+                Some(m) if *name == format!("{}.qweight", m.prefix) => l.add_module(m),
+                Some(_) => {}
+                None => {
+                    l.specs
+                        .push(TensorSpec::new(name.clone(), e.dtype, e.shape.clone()));
+                    l.sources.insert(name.clone(), Source::Copy);
+                    l.copied.push(name.clone());
                 }
-                specs.push(TensorSpec::new(
-                    format!("{p}.s"),
-                    Dtype::F16,
-                    vec![m.groups, m.n],
-                ));
-                sources.insert(format!("{p}.s"), Source::Scales(m));
-            }
-            Some(_) => {}
-            None => {
-                specs.push(TensorSpec::new(name.clone(), e.dtype, e.shape.clone()));
-                sources.insert(name.clone(), Source::Copy);
-                copied.push(name.clone());
             }
         }
+        l
     }
+
+    /// Adds the Marlin tensors of module `m`: `B`, the sort indices when act-order, `s`.
+    fn add_module(&mut self, m: &'a QuantModule) {
+        let p = &m.prefix;
+        self.specs.push(TensorSpec::new(
+            format!("{p}.B"),
+            Dtype::I32,
+            vec![m.k / 16, 2 * m.n],
+        ));
+        self.sources.insert(format!("{p}.B"), Source::Tiles(m));
+        if m.desc_act {
+            let si = format!("{p}.{SORT_INDICES_SUFFIX}");
+            self.specs
+                .push(TensorSpec::new(si.clone(), Dtype::I32, vec![m.k]));
+            self.sources.insert(si, Source::SortIndices(m));
+        }
+        self.specs.push(TensorSpec::new(
+            format!("{p}.s"),
+            Dtype::F16,
+            vec![m.groups, m.n],
+        ));
+        self.sources.insert(format!("{p}.s"), Source::Scales(m));
+    }
+
+    /// Bytes of the written `B`, `s` and sort-index tensors.
+    fn quantized_bytes(&self) -> u64 {
+        self.specs
+            .iter()
+            .filter(|s| !matches!(self.sources[&s.name], Source::Copy))
+            .map(TensorSpec::nbytes)
+            .sum()
+    }
+}
+
+/// Writes the shards of `layout` into the output folder (after checking the disk has room) and
+/// records their hashes; returns the shard names.
+fn write_tensors(ck: &Checkpoint, od: &mut OutputDir, layout: &Layout) -> Result<Vec<String>> {
     crate::checkpoint::guard::check_disk_space(
         "--out",
         od.path(),
-        specs.iter().map(TensorSpec::nbytes).sum(),
+        layout.specs.iter().map(TensorSpec::nbytes).sum(),
         "the tensors",
     )?;
     // Re-tiled on all cores, shards written at the same time and hashed as they are written.
-    let shards = write_sharded_parallel(od.path(), &specs, DEFAULT_SHARD_BYTES, |spec| {
-        let bytes = match &sources[&spec.name] {
-            Source::Copy => return Ok(ck.bytes(&spec.name)?.into()),
-            Source::Tiles(m) => {
-                let qweight = ck.i32_data(&format!("{}.qweight", m.prefix))?;
-                let g_idx = ck.i32_data(&format!("{}.g_idx", m.prefix))?;
-                let mw = gptq_codes_to_marlin(&qweight, &g_idx, m.k, m.n)
-                    .with_context(|| format!("re-tiling module {}", m.prefix))?;
-                i32_to_le_bytes(&mw.b)
-            }
-            Source::SortIndices(m) => i32_to_le_bytes(&marlin_sort_indices(
-                &ck.i32_data(&format!("{}.g_idx", m.prefix))?,
-            )),
-            Source::Scales(m) => {
-                let bits = scales_f16_bits(&ck, &format!("{}.scales", m.prefix))?;
-                u16_le_bytes(&permute_scales(&bits, m.groups, m.n)?)
-            }
-        };
-        Ok(bytes.into())
+    let shards = write_sharded_parallel(od.path(), &layout.specs, DEFAULT_SHARD_BYTES, |spec| {
+        tensor_bytes(ck, &layout.sources[&spec.name], &spec.name)
     })?;
     od.record_hashed(&shards);
-    let shards: Vec<String> = shards.into_iter().map(|f| f.name).collect();
-    lap(&mut stages.write);
+    Ok(shards.into_iter().map(|f| f.name).collect())
+}
 
+/// The bytes of output tensor `name`: copied from `ck`, or re-tiled from its module's tensors.
+fn tensor_bytes<'c>(
+    ck: &'c Checkpoint,
+    source: &Source,
+    name: &str,
+) -> Result<std::borrow::Cow<'c, [u8]>> {
+    let bytes = match source {
+        Source::Copy => return Ok(ck.bytes(name)?.into()),
+        Source::Tiles(m) => {
+            let qweight = ck.i32_data(&format!("{}.qweight", m.prefix))?;
+            let g_idx = ck.i32_data(&format!("{}.g_idx", m.prefix))?;
+            let mw = gptq_codes_to_marlin(&qweight, &g_idx, m.k, m.n)
+                .with_context(|| format!("re-tiling module {}", m.prefix))?;
+            i32_to_le_bytes(&mw.b)
+        }
+        Source::SortIndices(m) => i32_to_le_bytes(&marlin_sort_indices(
+            &ck.i32_data(&format!("{}.g_idx", m.prefix))?,
+        )),
+        Source::Scales(m) => {
+            let bits = scales_f16_bits(ck, &format!("{}.scales", m.prefix))?;
+            u16_le_bytes(&permute_scales(&bits, m.groups, m.n)?)
+        }
+    };
+    Ok(bytes.into())
+}
+
+/// Writes `config.json` (when the input has one: the engine's config rules applied, the Marlin
+/// quantization settings in) and `quantize_config.json`; returns how config.json changed.
+fn write_configs(
+    input: &Path,
+    od: &OutputDir,
+    info: &QuantInfo,
+    engine: Option<Engine>,
+) -> Result<engine::config::ConfigEdits> {
     let qcfg = marlin_quant_config(&info.raw);
     let cfg_in = input.join(CONFIG_FILE);
     let mut config_edits = engine::config::ConfigEdits::default();
@@ -377,14 +502,17 @@ pub fn pack_marlin_checkpoint(
         &od.path().join(QUANTIZE_CONFIG_FILE),
         serde_json::to_string_pretty(&qcfg)?.as_bytes(),
     )?;
-    // Tokenizer, generation config, remote code: byte copies (never the input's README.md:
-    // it describes the GPTQ folder; the Marlin folder gets its own below).
-    let side = side_files(input)?;
-    od.copy_from_source(input, &side)?;
+    Ok(config_edits)
+}
 
-    verify_output(&ck, od.path(), &modules, &copied, expected.as_deref())?;
-    lap(&mut stages.verify);
-    // The engine's loader on the written files, as a release with the legacy marlin method.
+/// The engine's loader on the written files, as a release with the legacy marlin method: its
+/// check (refused when it would not load), or the note saying why none ran.
+fn check_engine(
+    input: &Path,
+    out: &Path,
+    od: &OutputDir,
+    engine: Option<Engine>,
+) -> Result<(Option<EngineCheck>, Option<String>)> {
     // Architectures the check does not model (pack-marlin takes anyone's GPTQ checkpoint) are
     // packed without it; the report says so.
     let supported = crate::model::AnyConfig::from_file(&input.join(CONFIG_FILE)).is_ok();
@@ -409,38 +537,7 @@ pub fn pack_marlin_checkpoint(
         }
         None => None,
     };
-
-    lap(&mut stages.engine_check);
-    let quantized_bytes = specs
-        .iter()
-        .filter(|s| !matches!(sources[&s.name], Source::Copy))
-        .map(TensorSpec::nbytes)
-        .sum();
-    let tensor_bytes = specs.iter().map(TensorSpec::nbytes).sum();
-    write_file(
-        &od.path().join("README.md"),
-        marlin_card(input, &info, modules.len(), engine_check.as_ref()).as_bytes(),
-    )?;
-    let output = od.commit()?;
-    lap(&mut stages.commit);
-    Ok(PackMarlinReport {
-        input: input.display().to_string(),
-        output: output.display().to_string(),
-        input_format: info.format.checkpoint_format().to_string(),
-        modules_packed: modules.len(),
-        act_order_modules: modules.iter().filter(|m| m.desc_act).count(),
-        tensors_copied: copied.len(),
-        quantized_bytes,
-        tensor_bytes,
-        shards,
-        side_files: side,
-        config_edits,
-        verified: true,
-        engine_check,
-        engine_note,
-        seconds: t0.elapsed().as_secs_f64(),
-        stages,
-    })
+    Ok((engine_check, engine_note))
 }
 
 /// The model card of a Marlin folder: where it came from, and plainly who reads it.
@@ -493,99 +590,118 @@ fn verify_output(
     copied: &[String],
     expected: Option<&[(String, Vec<usize>)]>,
 ) -> Result<()> {
-    let fail = |what: String| {
-        anyhow!(
-            "pack-marlin self-check failed: {what}; nothing was written to the output (this is a \
-             bug in soar-gptq, please report it with the input checkpoint)"
-        )
-    };
     let outck = Checkpoint::open(dir).context("pack-marlin self-check: re-reading the output")?;
     // Module by module on all cores: every check reads only its own tensors.
-    modules.par_iter().try_for_each(|m| -> Result<()> {
-        let (p, k, n) = (&m.prefix, m.k, m.n);
-        let b_name = format!("{p}.B");
-        let si_name = format!("{p}.{SORT_INDICES_SUFFIX}");
-        let b = outck.i32_data(&b_name)?;
-        let sort: Vec<i32> = if outck.contains(&si_name) {
-            outck.i32_data(&si_name)?
-        } else {
-            (0..k as i32).collect()
-        };
-        let g_idx = ck.i32_data(&format!("{p}.g_idx"))?;
-        let g = m.group_len();
-        if let Some(kp) = (0..k).find(|&kp| g_idx[sort[kp] as usize] as usize != kp / g) {
-            return Err(fail(format!(
-                "Marlin row {kp} of module {p} holds input row {} of group {}, but row {kp} is \
-                 read with the scales of group {}",
-                sort[kp],
-                g_idx[sort[kp] as usize],
-                kp / g
-            )));
-        }
-        let back = marlin_to_gptq_codes(&b, &sort, k, n)
-            .with_context(|| format!("unpacking {}", at(&outck, &b_name)))?;
-        let qweight = ck.i32_data(&format!("{p}.qweight"))?;
-        if let Some(i) = (0..qweight.len()).find(|&i| back[i] != qweight[i]) {
-            return Err(fail(format!(
-                "{} does not unpack to the codes of {} (qweight word {i}: 0x{:08x} instead of \
-                 0x{:08x})",
-                at(&outck, &b_name),
-                at(ck, &format!("{p}.qweight")),
-                back[i] as u32,
-                qweight[i] as u32
-            )));
-        }
-        let s_name = format!("{p}.s");
-        let s_bits: Vec<u16> = outck
-            .bytes(&s_name)?
-            .chunks_exact(2)
-            .map(|c| u16::from_le_bytes([c[0], c[1]]))
-            .collect();
-        let scales = unpermute_scales(&s_bits, m.groups, n)?;
-        let want = scales_f16_bits(ck, &format!("{p}.scales"))?;
-        if let Some(i) = (0..want.len()).find(|&i| scales[i] != want[i]) {
-            return Err(fail(format!(
-                "{} does not un-permute to {} (value {i}: fp16 bits 0x{:04x} instead of 0x{:04x})",
-                at(&outck, &s_name),
-                at(ck, &format!("{p}.scales")),
-                scales[i],
-                want[i]
-            )));
-        }
-        Ok(())
-    })?;
-    copied.par_iter().try_for_each(|name| -> Result<()> {
-        let (a, b) = (ck.get(name), outck.get(name));
-        let same = match (a, b) {
-            (Some(a), Some(b)) => {
-                a.dtype == b.dtype && a.shape == b.shape && ck.bytes(name)? == outck.bytes(name)?
-            }
-            _ => false,
-        };
-        if !same {
-            return Err(fail(format!(
-                "{} is not a byte-identical copy of {}",
-                at(&outck, name),
-                at(ck, name)
-            )));
-        }
-        Ok(())
-    })?;
+    modules
+        .par_iter()
+        .try_for_each(|m| verify_module(ck, &outck, m))?;
+    copied
+        .par_iter()
+        .try_for_each(|name| verify_copy(ck, &outck, name))?;
     let out_info = read_quant_info(dir)?
-        .ok_or_else(|| fail("the output has no quantization settings".into()))?;
+        .ok_or_else(|| self_check_failed("the output has no quantization settings".into()))?;
     if out_info.format != QuantFormat::Marlin {
-        return Err(fail(format!(
+        return Err(self_check_failed(format!(
             "{} does not say checkpoint_format marlin",
             out_info.source.display()
         )));
     }
     let out_modules = validate_quantized_modules(&outck, &out_info, expected)
-        .map_err(|e| fail(format!("the output does not validate as Marlin: {e:#}")))?;
+        .map_err(|e| self_check_failed(format!("the output does not validate as Marlin: {e:#}")))?;
     if out_modules.len() != modules.len() {
-        return Err(fail(format!(
+        return Err(self_check_failed(format!(
             "the output holds {} Marlin modules, the input {} GPTQ modules",
             out_modules.len(),
             modules.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The error of a failed self-check: `what` went wrong, and that nothing was written.
+fn self_check_failed(what: String) -> anyhow::Error {
+    anyhow!(
+        "pack-marlin self-check failed: {what}; nothing was written to the output (this is a \
+         bug in soar-gptq, please report it with the input checkpoint)"
+    )
+}
+
+/// Checks module `m` as written in `outck` against the input `ck`: every Marlin row is read with
+/// its own group's scales, `B` unpacks to the GPTQ codes and `s` un-permutes to the GPTQ scales.
+fn verify_module(ck: &Checkpoint, outck: &Checkpoint, m: &QuantModule) -> Result<()> {
+    let (p, k, n) = (&m.prefix, m.k, m.n);
+    let b_name = format!("{p}.B");
+    let si_name = format!("{p}.{SORT_INDICES_SUFFIX}");
+    let b = outck.i32_data(&b_name)?;
+    let sort: Vec<i32> = if outck.contains(&si_name) {
+        outck.i32_data(&si_name)?
+    } else {
+        (0..k as i32).collect()
+    };
+    let g_idx = ck.i32_data(&format!("{p}.g_idx"))?;
+    let g = m.group_len();
+    if let Some(kp) = (0..k).find(|&kp| g_idx[sort[kp] as usize] as usize != kp / g) {
+        return Err(self_check_failed(format!(
+            "Marlin row {kp} of module {p} holds input row {} of group {}, but row {kp} is \
+             read with the scales of group {}",
+            sort[kp],
+            g_idx[sort[kp] as usize],
+            kp / g
+        )));
+    }
+    let back = marlin_to_gptq_codes(&b, &sort, k, n)
+        .with_context(|| format!("unpacking {}", at(outck, &b_name)))?;
+    let qweight = ck.i32_data(&format!("{p}.qweight"))?;
+    if let Some(i) = (0..qweight.len()).find(|&i| back[i] != qweight[i]) {
+        return Err(self_check_failed(format!(
+            "{} does not unpack to the codes of {} (qweight word {i}: 0x{:08x} instead of \
+             0x{:08x})",
+            at(outck, &b_name),
+            at(ck, &format!("{p}.qweight")),
+            back[i] as u32,
+            qweight[i] as u32
+        )));
+    }
+    verify_scales(ck, outck, m)
+}
+
+/// Checks that module `m`'s written `s` un-permutes to the input's scales, bit for bit.
+fn verify_scales(ck: &Checkpoint, outck: &Checkpoint, m: &QuantModule) -> Result<()> {
+    let p = &m.prefix;
+    let s_name = format!("{p}.s");
+    let s_bits: Vec<u16> = outck
+        .bytes(&s_name)?
+        .chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .collect();
+    let scales = unpermute_scales(&s_bits, m.groups, m.n)?;
+    let want = scales_f16_bits(ck, &format!("{p}.scales"))?;
+    if let Some(i) = (0..want.len()).find(|&i| scales[i] != want[i]) {
+        return Err(self_check_failed(format!(
+            "{} does not un-permute to {} (value {i}: fp16 bits 0x{:04x} instead of 0x{:04x})",
+            at(outck, &s_name),
+            at(ck, &format!("{p}.scales")),
+            scales[i],
+            want[i]
+        )));
+    }
+    Ok(())
+}
+
+/// Checks that tensor `name` was copied byte for byte (same dtype and shape too).
+fn verify_copy(ck: &Checkpoint, outck: &Checkpoint, name: &str) -> Result<()> {
+    let (a, b) = (ck.get(name), outck.get(name));
+    let same = match (a, b) {
+        (Some(a), Some(b)) => {
+            a.dtype == b.dtype && a.shape == b.shape && ck.bytes(name)? == outck.bytes(name)?
+        }
+        _ => false,
+    };
+    if !same {
+        return Err(self_check_failed(format!(
+            "{} is not a byte-identical copy of {}",
+            at(outck, name),
+            at(ck, name)
         )));
     }
     Ok(())

@@ -14,7 +14,7 @@ use crate::checkpoint::Checkpoint;
 use crate::eval::score::{score_batch, PositionSums};
 use crate::eval::{make_windows, LoadedModel, PplOptions};
 use crate::format::quantized::{engine_name, exact_pattern};
-use crate::model::{AnyLayer, LinearGroup};
+use crate::model::{AnyLayer, AnyModel, LinearGroup};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
 use serde::Serialize;
@@ -142,6 +142,9 @@ enum Variant {
     Alone(usize),
 }
 
+/// Every variant's hidden states, per batch of windows.
+type Streams = BTreeMap<Variant, Vec<Tensor>>;
+
 pub fn sensitivity(
     reference: &Path,
     quantized: &Path,
@@ -150,31 +153,10 @@ pub fn sensitivity(
 ) -> Result<SensitivityReport> {
     let t0 = Instant::now();
     let (dtype, device) = (opts.eval.dtype, &opts.eval.device);
-    let rlm = LoadedModel::open_with(reference, opts.eval.sparse_attention)?;
-    if rlm.quant.is_some() {
-        bail!(
-            "--model {} is quantized: sensitivity compares a quantized checkpoint (--quantized) \
-             against its 16-bit source (--model)",
-            reference.display()
-        );
-    }
+    let rlm = open_reference(reference, opts)?;
     let qlm = LoadedModel::open_with(quantized, opts.eval.sparse_attention)?;
-    let Some((_, qmods)) = &qlm.quant else {
-        bail!(
-            "--quantized {} holds no quantization settings: give the GPTQ or Marlin checkpoint \
-             that quantize wrote",
-            quantized.display()
-        );
-    };
-    if qlm.cfg.expected_tensors() != rlm.cfg.expected_tensors() {
-        bail!(
-            "--quantized {} is not a quantization of --model {}: their configs give different \
-             tensors",
-            quantized.display(),
-            reference.display()
-        );
-    }
-    check_made_from(reference, &rlm.ck, quantized)?;
+    let qmods = quantized_modules(&qlm, quantized)?;
+    check_same_model(reference, &rlm, quantized, &qlm)?;
     let cfg = &rlm.cfg;
     let units = build_units(&rlm, qmods, opts.granularity);
     if units.is_empty() {
@@ -187,76 +169,8 @@ pub fn sensitivity(
     let model = rlm.model(dtype, device)?;
     model.check_length(opts.eval.seqlen)?;
 
-    // Every variant's states, per batch of windows, as they leave the last layer done.
-    let mut streams: BTreeMap<Variant, Vec<Tensor>> = BTreeMap::new();
-    let mut embedded = vec![];
-    for r in crate::calib::batch_ranges(&windows, opts.eval.batch) {
-        let b = &windows[r];
-        let flat: Vec<u32> = b.iter().flatten().copied().collect();
-        let ids = Tensor::from_vec(flat, (b.len(), b[0].len()), device)?;
-        embedded.push(model.embed(&ids)?);
-    }
-    streams.insert(Variant::Reference, embedded.clone());
-    streams.insert(Variant::Quantized, embedded);
-    let pb = crate::progress::bar(cfg.num_hidden_layers() as u64, "sensitivity");
-    for i in 0..cfg.num_hidden_layers() {
-        let full = rlm.layer(i, dtype, device)?;
-        let quant = qlm.layer(i, dtype, device)?;
-        // Variants of this layer's units branch off before the layer runs.
-        for u in (0..units.len()).filter(|&u| units[u].layer == i) {
-            streams.insert(Variant::Restored(u), streams[&Variant::Quantized].clone());
-            if opts.alone {
-                streams.insert(Variant::Alone(u), streams[&Variant::Reference].clone());
-            }
-        }
-        for (v, states) in streams.iter_mut() {
-            let hybrid;
-            let layer: &AnyLayer = match *v {
-                Variant::Reference => &full,
-                Variant::Quantized => &quant,
-                Variant::Restored(u) if units[u].layer == i => {
-                    hybrid = mixed_layer(&rlm, &qlm, i, &units[u].modules, true, dtype, device)?;
-                    &hybrid
-                }
-                Variant::Alone(u) if units[u].layer == i => {
-                    hybrid = mixed_layer(&rlm, &qlm, i, &units[u].modules, false, dtype, device)?;
-                    &hybrid
-                }
-                Variant::Restored(_) => &quant,
-                Variant::Alone(_) => &full,
-            };
-            for h in states.iter_mut() {
-                *h = layer.forward(h, &mut |_, _| Ok(()))?;
-            }
-        }
-        pb.inc(1);
-    }
-    pb.finish_and_clear();
-
-    // Scores: per batch the reference's, then every variant's against it; the head runs a few
-    // thousand positions at a time (eval's protocol).
-    let batches: Vec<&[Vec<u32>]> = crate::calib::batch_ranges(&windows, opts.eval.batch)
-        .into_iter()
-        .map(|r| &windows[r])
-        .collect();
-    let mut sums: BTreeMap<Variant, PositionSums> = BTreeMap::new();
-    let mut rsums = PositionSums::default();
-    for (bi, ws) in batches.iter().enumerate() {
-        let rh = &streams[&Variant::Reference][bi];
-        score_batch(&model, rh, None, ws, &mut rsums)?;
-        for (v, states) in &streams {
-            if *v == Variant::Reference {
-                continue;
-            }
-            score_batch(
-                &model,
-                &states[bi],
-                Some((&model, rh)),
-                ws,
-                sums.entry(*v).or_default(),
-            )?;
-        }
-    }
+    let streams = run_variants(&rlm, &qlm, &model, &units, &windows, opts)?;
+    let (rsums, sums) = score_variants(&model, &streams, &windows, opts.eval.batch)?;
     let (ref_nll, _, _, count) = rsums.range(0, usize::MAX);
     let count = count as usize;
     let ref_ppl = (ref_nll / count as f64).exp();
@@ -266,32 +180,8 @@ pub fn sensitivity(
             reference.display()
         );
     }
-    let score = |v: Variant| -> Score {
-        let (nll, kl, agree, _) = sums[&v].range(0, usize::MAX);
-        let ppl = (nll / count as f64).exp();
-        Score {
-            mean_kl: kl / count as f64,
-            ppl,
-            delta_ppl: ppl - ref_ppl,
-            top1_agreement: agree as f64 / count as f64,
-        }
-    };
-    let base = score(Variant::Quantized);
-    let mut ranked: Vec<Unit> = units
-        .into_iter()
-        .enumerate()
-        .map(|(u, spec)| {
-            let restored = score(Variant::Restored(u));
-            Unit {
-                kl_gain: base.mean_kl - restored.mean_kl,
-                restored,
-                alone: opts.alone.then(|| score(Variant::Alone(u))),
-                ..spec
-            }
-        })
-        .collect();
-    // Stable: equal gains keep model order.
-    ranked.sort_by(|a, b| b.kl_gain.total_cmp(&a.kl_gain));
+    let base = variant_score(&sums, Variant::Quantized, count, ref_ppl);
+    let ranked = rank_units(units, &sums, &base, count, ref_ppl, opts.alone);
     let checkpoint_bytes: u64 = qlm
         .ck
         .names()
@@ -321,6 +211,203 @@ pub fn sensitivity(
         plan,
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// Opens `--model`, refused when it is itself quantized.
+fn open_reference(reference: &Path, opts: &SensitivityOptions) -> Result<LoadedModel> {
+    let rlm = LoadedModel::open_with(reference, opts.eval.sparse_attention)?;
+    if rlm.quant.is_some() {
+        bail!(
+            "--model {} is quantized: sensitivity compares a quantized checkpoint (--quantized) \
+             against its 16-bit source (--model)",
+            reference.display()
+        );
+    }
+    Ok(rlm)
+}
+
+/// The quantized modules of `--quantized`, refused when it holds no quantization settings.
+fn quantized_modules<'a>(
+    qlm: &'a LoadedModel,
+    quantized: &Path,
+) -> Result<&'a BTreeMap<String, crate::format::quantized::QuantModule>> {
+    let Some((_, qmods)) = &qlm.quant else {
+        bail!(
+            "--quantized {} holds no quantization settings: give the GPTQ or Marlin checkpoint \
+             that quantize wrote",
+            quantized.display()
+        );
+    };
+    Ok(qmods)
+}
+
+/// Refuses a `--quantized` whose config gives other tensors than `--model`'s, or whose report
+/// says it was made from another model.
+fn check_same_model(
+    reference: &Path,
+    rlm: &LoadedModel,
+    quantized: &Path,
+    qlm: &LoadedModel,
+) -> Result<()> {
+    if qlm.cfg.expected_tensors() != rlm.cfg.expected_tensors() {
+        bail!(
+            "--quantized {} is not a quantization of --model {}: their configs give different \
+             tensors",
+            quantized.display(),
+            reference.display()
+        );
+    }
+    check_made_from(reference, &rlm.ck, quantized)
+}
+
+/// Runs every variant through the decoder layers, layer by layer (one progress bar), and returns
+/// their states as they leave the last layer.
+fn run_variants(
+    rlm: &LoadedModel,
+    qlm: &LoadedModel,
+    model: &AnyModel,
+    units: &[Unit],
+    windows: &[Vec<u32>],
+    opts: &SensitivityOptions,
+) -> Result<Streams> {
+    let (dtype, device) = (opts.eval.dtype, &opts.eval.device);
+    let cfg = &rlm.cfg;
+    // Every variant's states, per batch of windows, as they leave the last layer done.
+    let mut streams: Streams = BTreeMap::new();
+    let embedded = embed_windows(model, windows, opts)?;
+    streams.insert(Variant::Reference, embedded.clone());
+    streams.insert(Variant::Quantized, embedded);
+    let pb = crate::progress::bar(cfg.num_hidden_layers() as u64, "sensitivity");
+    for i in 0..cfg.num_hidden_layers() {
+        let full = rlm.layer(i, dtype, device)?;
+        let quant = qlm.layer(i, dtype, device)?;
+        // Variants of this layer's units branch off before the layer runs.
+        for u in (0..units.len()).filter(|&u| units[u].layer == i) {
+            streams.insert(Variant::Restored(u), streams[&Variant::Quantized].clone());
+            if opts.alone {
+                streams.insert(Variant::Alone(u), streams[&Variant::Reference].clone());
+            }
+        }
+        for (v, states) in streams.iter_mut() {
+            let hybrid;
+            let layer: &AnyLayer = match *v {
+                Variant::Reference => &full,
+                Variant::Quantized => &quant,
+                Variant::Restored(u) if units[u].layer == i => {
+                    hybrid = mixed_layer(rlm, qlm, i, &units[u].modules, true, dtype, device)?;
+                    &hybrid
+                }
+                Variant::Alone(u) if units[u].layer == i => {
+                    hybrid = mixed_layer(rlm, qlm, i, &units[u].modules, false, dtype, device)?;
+                    &hybrid
+                }
+                Variant::Restored(_) => &quant,
+                Variant::Alone(_) => &full,
+            };
+            for h in states.iter_mut() {
+                *h = layer.forward(h, &mut |_, _| Ok(()))?;
+            }
+        }
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+    Ok(streams)
+}
+
+/// The embedded windows, one tensor per batch of `--batch` windows.
+fn embed_windows(
+    model: &AnyModel,
+    windows: &[Vec<u32>],
+    opts: &SensitivityOptions,
+) -> Result<Vec<Tensor>> {
+    let mut embedded = vec![];
+    for r in crate::calib::batch_ranges(windows, opts.eval.batch) {
+        let b = &windows[r];
+        let flat: Vec<u32> = b.iter().flatten().copied().collect();
+        let ids = Tensor::from_vec(flat, (b.len(), b[0].len()), &opts.eval.device)?;
+        embedded.push(model.embed(&ids)?);
+    }
+    Ok(embedded)
+}
+
+/// Scores every stream: the reference's position sums, and every other variant's against it.
+fn score_variants(
+    model: &AnyModel,
+    streams: &Streams,
+    windows: &[Vec<u32>],
+    batch: usize,
+) -> Result<(PositionSums, BTreeMap<Variant, PositionSums>)> {
+    // Scores: per batch the reference's, then every variant's against it; the head runs a few
+    // thousand positions at a time (eval's protocol).
+    let batches: Vec<&[Vec<u32>]> = crate::calib::batch_ranges(windows, batch)
+        .into_iter()
+        .map(|r| &windows[r])
+        .collect();
+    let mut sums: BTreeMap<Variant, PositionSums> = BTreeMap::new();
+    let mut rsums = PositionSums::default();
+    for (bi, ws) in batches.iter().enumerate() {
+        let rh = &streams[&Variant::Reference][bi];
+        score_batch(model, rh, None, ws, &mut rsums)?;
+        for (v, states) in streams {
+            if *v == Variant::Reference {
+                continue;
+            }
+            score_batch(
+                model,
+                &states[bi],
+                Some((model, rh)),
+                ws,
+                sums.entry(*v).or_default(),
+            )?;
+        }
+    }
+    Ok((rsums, sums))
+}
+
+/// The score of variant `v` over `count` positions, against the reference's perplexity.
+fn variant_score(
+    sums: &BTreeMap<Variant, PositionSums>,
+    v: Variant,
+    count: usize,
+    ref_ppl: f64,
+) -> Score {
+    let (nll, kl, agree, _) = sums[&v].range(0, usize::MAX);
+    let ppl = (nll / count as f64).exp();
+    Score {
+        mean_kl: kl / count as f64,
+        ppl,
+        delta_ppl: ppl - ref_ppl,
+        top1_agreement: agree as f64 / count as f64,
+    }
+}
+
+/// The units with their scores, ranked by how much restoring each lowers the mean KL from
+/// `base` (stable: equal gains keep model order).
+fn rank_units(
+    units: Vec<Unit>,
+    sums: &BTreeMap<Variant, PositionSums>,
+    base: &Score,
+    count: usize,
+    ref_ppl: f64,
+    alone: bool,
+) -> Vec<Unit> {
+    let score = |v: Variant| variant_score(sums, v, count, ref_ppl);
+    let mut ranked: Vec<Unit> = units
+        .into_iter()
+        .enumerate()
+        .map(|(u, spec)| {
+            let restored = score(Variant::Restored(u));
+            Unit {
+                kl_gain: base.mean_kl - restored.mean_kl,
+                restored,
+                alone: alone.then(|| score(Variant::Alone(u))),
+                ..spec
+            }
+        })
+        .collect();
+    // Stable: equal gains keep model order.
+    ranked.sort_by(|a, b| b.kl_gain.total_cmp(&a.kl_gain));
+    ranked
 }
 
 /// Layer `i` with the Linears of `modules` taken from the reference (`restore`) or from the

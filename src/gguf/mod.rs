@@ -18,7 +18,7 @@ use anyhow::{anyhow, bail, ensure, Context, Result};
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::Device;
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use tokenizer::GgufVocab;
 
 pub struct ImportOptions {
@@ -263,45 +263,9 @@ fn read_vocab(m: &Meta) -> Result<GgufVocab> {
 
 /// The Hugging Face `config.json` the metadata implies.
 fn hf_config(m: &Meta, vocab: &GgufVocab, tied: bool) -> Result<serde_json::Value> {
-    let arch = m
-        .string("general.architecture")?
-        .context("GGUF metadata general.architecture is missing")?;
-    if arch != "llama" {
-        bail!("general.architecture is {arch:?}: import-gguf converts \"llama\" GGUF files only");
-    }
-    if m.int("llama.expert_count")?.is_some_and(|n| n > 0) {
-        bail!(
-            "llama.expert_count is set: mixture-of-experts GGUF files (Mixtral) are not supported"
-        );
-    }
-    let hidden = m.need("llama.embedding_length")?;
-    let heads = m.need("llama.attention.head_count")?;
-    let kv_heads = m
-        .int("llama.attention.head_count_kv")?
-        .map_or(heads, |v| v as usize);
-    if heads == 0 || hidden % heads != 0 {
-        bail!("llama.embedding_length {hidden} is not a multiple of llama.attention.head_count {heads}");
-    }
-    let head_dim = m
-        .int("llama.attention.key_length")?
-        .map_or(hidden / heads, |v| v as usize);
-    if let Some(v) = m.int("llama.attention.value_length")? {
-        if v as usize != head_dim {
-            bail!("llama.attention.value_length {v} differs from the key length {head_dim}: not a Llama attention");
-        }
-    }
-    if let Some(r) = m.int("llama.rope.dimension_count")? {
-        if r as usize != head_dim {
-            bail!("llama.rope.dimension_count is {r} but the head dimension is {head_dim}: partial RoPE is not supported");
-        }
-    }
-    if let Some(t) = m.string("llama.rope.scaling.type")? {
-        if t != "none" {
-            bail!(
-                "llama.rope.scaling.type is {t:?}: only unscaled RoPE is supported by import-gguf"
-            );
-        }
-    }
+    check_llama(m)?;
+    let (hidden, heads, kv_heads, head_dim) = attention_shape(m)?;
+    check_rope(m, head_dim)?;
     let vocab_size = m
         .int("llama.vocab_size")?
         .map_or(vocab.tokens.len(), |v| v as usize);
@@ -335,16 +299,76 @@ fn hf_config(m: &Meta, vocab: &GgufVocab, tied: bool) -> Result<serde_json::Valu
         "torch_dtype": "bfloat16",
         "use_cache": true,
     });
+    set_special_ids(&mut cfg, vocab);
+    Ok(cfg)
+}
+
+/// Refuses metadata of another architecture than a dense Llama.
+fn check_llama(m: &Meta) -> Result<()> {
+    let arch = m
+        .string("general.architecture")?
+        .context("GGUF metadata general.architecture is missing")?;
+    if arch != "llama" {
+        bail!("general.architecture is {arch:?}: import-gguf converts \"llama\" GGUF files only");
+    }
+    if m.int("llama.expert_count")?.is_some_and(|n| n > 0) {
+        bail!(
+            "llama.expert_count is set: mixture-of-experts GGUF files (Mixtral) are not supported"
+        );
+    }
+    Ok(())
+}
+
+/// The attention's shape: hidden size, query heads, key/value heads and head dimension (one for
+/// keys and values).
+fn attention_shape(m: &Meta) -> Result<(usize, usize, usize, usize)> {
+    let hidden = m.need("llama.embedding_length")?;
+    let heads = m.need("llama.attention.head_count")?;
+    let kv_heads = m
+        .int("llama.attention.head_count_kv")?
+        .map_or(heads, |v| v as usize);
+    if heads == 0 || hidden % heads != 0 {
+        bail!("llama.embedding_length {hidden} is not a multiple of llama.attention.head_count {heads}");
+    }
+    let head_dim = m
+        .int("llama.attention.key_length")?
+        .map_or(hidden / heads, |v| v as usize);
+    if let Some(v) = m.int("llama.attention.value_length")? {
+        if v as usize != head_dim {
+            bail!("llama.attention.value_length {v} differs from the key length {head_dim}: not a Llama attention");
+        }
+    }
+    Ok((hidden, heads, kv_heads, head_dim))
+}
+
+/// Refuses partial or scaled RoPE.
+fn check_rope(m: &Meta, head_dim: usize) -> Result<()> {
+    if let Some(r) = m.int("llama.rope.dimension_count")? {
+        if r as usize != head_dim {
+            bail!("llama.rope.dimension_count is {r} but the head dimension is {head_dim}: partial RoPE is not supported");
+        }
+    }
+    if let Some(t) = m.string("llama.rope.scaling.type")? {
+        if t != "none" {
+            bail!(
+                "llama.rope.scaling.type is {t:?}: only unscaled RoPE is supported by import-gguf"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Sets `bos_token_id`, `eos_token_id` and `pad_token_id` in `v` for those the vocabulary names.
+fn set_special_ids(v: &mut serde_json::Value, vocab: &GgufVocab) {
     for (key, id) in [
         ("bos_token_id", vocab.bos),
         ("eos_token_id", vocab.eos),
         ("pad_token_id", vocab.pad),
     ] {
         if let Some(id) = id {
-            cfg[key] = id.into();
+            v[key] = id.into();
         }
     }
-    Ok(cfg)
 }
 
 /// The GGUF tensor holding HF tensor `name`, and the heads to un-permute its rows by.
@@ -382,13 +406,32 @@ fn gguf_source(name: &str, cfg: &LlamaConfig) -> Result<(String, Option<usize>)>
 /// (candle keeps the last), and tensor data that lies on aligned, non-overlapping ranges inside
 /// the file (all-zero offsets imported every tensor from the same bytes).
 fn read_content(file: &mut std::fs::File, path: &std::path::Path) -> Result<Content> {
-    use std::io::{Read, Seek, SeekFrom};
     let shown = path.display();
+    let declared = declared_tensor_count(file)?;
+    let content = read_with_candle(file, path)?;
+    let alignment = alignment(&content, path)?;
+    if let Some(n) = declared {
+        ensure!(
+            n as usize == content.tensor_infos.len(),
+            "{shown} declares {n} tensors but names only {} distinct ones: a tensor name is \
+             given twice, and which one is meant is ambiguous",
+            content.tensor_infos.len()
+        );
+    }
+    let file_len = file.metadata()?.len();
+    check_tensor_spans(&content, alignment, file_len, path)?;
+    Ok(content)
+}
+
+/// The tensor count the header declares (None when the file does not start like GGUF); leaves
+/// the file at its start.
+fn declared_tensor_count(file: &mut std::fs::File) -> Result<Option<u64>> {
+    use std::io::{Read, Seek, SeekFrom};
     // Header: magic, version, tensor count (u32 in v1, u64 since v2).
     let mut head = [0u8; 24];
     let got = file.read(&mut head).unwrap_or(0);
     file.seek(SeekFrom::Start(0))?;
-    let declared = if got >= 24 && &head[..4] == b"GGUF" {
+    Ok(if got >= 24 && &head[..4] == b"GGUF" {
         let version = u32::from_le_bytes(head[4..8].try_into().unwrap());
         Some(if version == 1 {
             u32::from_le_bytes(head[8..12].try_into().unwrap()) as u64
@@ -397,20 +440,30 @@ fn read_content(file: &mut std::fs::File, path: &std::path::Path) -> Result<Cont
         })
     } else {
         None
-    };
+    })
+}
+
+/// The header as candle's reader reads it, its panics turned into errors.
+fn read_with_candle(file: &mut std::fs::File, path: &std::path::Path) -> Result<Content> {
+    let shown = path.display();
     // candle's reader divides by general.alignment; a zero there is a panic, not an error.
     let prev = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
     let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Content::read(file)));
     std::panic::set_hook(prev);
-    let content = match read {
+    Ok(match read {
         Ok(r) => r.map_err(|e| anyhow!("{shown} is not a readable GGUF file: {e}"))?,
         Err(_) => bail!(
             "{shown} is not a readable GGUF file: its header made the GGUF reader fail \
              (general.alignment 0?); the file is damaged"
         ),
-    };
-    let alignment = match content.metadata.get("general.alignment") {
+    })
+}
+
+/// `general.alignment` (32 when absent), refused unless a positive multiple of 8.
+fn alignment(content: &Content, path: &std::path::Path) -> Result<u64> {
+    let shown = path.display();
+    Ok(match content.metadata.get("general.alignment") {
         None => 32,
         Some(v) => {
             let a = v
@@ -424,16 +477,18 @@ fn read_content(file: &mut std::fs::File, path: &std::path::Path) -> Result<Cont
             );
             a
         }
-    };
-    if let Some(n) = declared {
-        ensure!(
-            n as usize == content.tensor_infos.len(),
-            "{shown} declares {n} tensors but names only {} distinct ones: a tensor name is \
-             given twice, and which one is meant is ambiguous",
-            content.tensor_infos.len()
-        );
-    }
-    let file_len = file.metadata()?.len();
+    })
+}
+
+/// Checks that every tensor's data starts aligned, ends inside the `file_len`-byte file, and
+/// overlaps no other tensor's.
+fn check_tensor_spans(
+    content: &Content,
+    alignment: u64,
+    file_len: u64,
+    path: &std::path::Path,
+) -> Result<()> {
+    let shown = path.display();
     let mut spans: Vec<(u64, u64, &str)> = vec![];
     for (name, info) in &content.tensor_infos {
         let elems = info
@@ -477,8 +532,12 @@ fn read_content(file: &mut std::fs::File, path: &std::path::Path) -> Result<Cont
             w[1].0
         );
     }
-    Ok(content)
+    Ok(())
 }
+
+/// One HF tensor to write: its name and shape, the GGUF tensor it comes from, and the heads to
+/// un-permute its rows by.
+type Planned = (String, Vec<usize>, String, Option<usize>);
 
 pub fn import_gguf(opts: &ImportOptions) -> Result<ImportReport> {
     let path = &opts.gguf;
@@ -499,12 +558,65 @@ pub fn import_gguf(opts: &ImportOptions) -> Result<ImportReport> {
             path.display()
         );
     }
+    let plan = plan_tensors(&content, &cfg, path)?;
+    let mut tensor_types = BTreeMap::new();
+    for info in content.tensor_infos.values() {
+        *tensor_types
+            .entry(format!("{:?}", info.ggml_dtype))
+            .or_insert(0usize) += 1;
+    }
 
-    // Every HF tensor from one GGUF tensor of the right shape; nothing left over.
+    let tok = vocab.build().map_err(ctx)?;
+    tokenizer::check_round_trip(&tok, tokenizer::ROUND_TRIP_SAMPLE).map_err(ctx)?;
+
+    let out = OutputDir::create(
+        &opts.out,
+        opts.force,
+        &[InputPath::new("--gguf", &opts.gguf)],
+    )?;
+    let dir = out.path().to_path_buf();
+    let specs = write_tensors(&content, &mut file, path, &plan, &dir, opts.shard_bytes)?;
+    write_configs(&dir, &cfg_json, &vocab, &tok, &cfg)?;
+
+    let meta = std::fs::metadata(path)?;
+    let mut general = BTreeMap::new();
+    for (k, v) in &content.metadata {
+        if let (true, Value::String(s)) = (k.starts_with("general."), v) {
+            general.insert(k.clone(), s.clone());
+        }
+    }
+    let report = ImportReport {
+        source: path.display().to_string(),
+        source_sha256: writer::sha256_file(path)?,
+        source_bytes: meta.len(),
+        general,
+        architecture: cfg.family.architecture().to_string(),
+        parameters: cfg
+            .expected_tensors()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>() as u64)
+            .sum(),
+        tensors: specs.len(),
+        tensor_types,
+        tie_word_embeddings: tied,
+        vocab_size: cfg.vocab_size,
+        tokenizer_pre: vocab.pre.clone(),
+        unpermuted: plan.iter().filter(|p| p.3.is_some()).count(),
+        output: opts.out.display().to_string(),
+    };
+    let mut rec = serde_json::to_value(&report)?;
+    rec["tool"] = format!("soar-gptq {}", env!("CARGO_PKG_VERSION")).into();
+    writer::write_file(&dir.join("gguf_import.json"), to_json(&rec).as_bytes())?;
+    out.commit()?;
+    Ok(report)
+}
+
+/// Every HF tensor from one GGUF tensor of the right shape; nothing left over.
+fn plan_tensors(content: &Content, cfg: &LlamaConfig, path: &Path) -> Result<Vec<Planned>> {
     let mut plan = vec![];
     let mut used = BTreeSet::new();
     for (name, shape) in cfg.expected_tensors() {
-        let (src, heads) = gguf_source(&name, &cfg)?;
+        let (src, heads) = gguf_source(&name, cfg)?;
         let info = content.tensor_infos.get(&src).with_context(|| {
             format!(
                 "{} has no tensor {src} (for {name}): not a complete Llama GGUF",
@@ -535,118 +647,104 @@ pub fn import_gguf(opts: &ImportOptions) -> Result<ImportReport> {
             extra.len()
         );
     }
-    let mut tensor_types = BTreeMap::new();
-    for info in content.tensor_infos.values() {
-        *tensor_types
-            .entry(format!("{:?}", info.ggml_dtype))
-            .or_insert(0usize) += 1;
-    }
+    Ok(plan)
+}
 
-    let tok = vocab.build().map_err(ctx)?;
-    tokenizer::check_round_trip(&tok, tokenizer::ROUND_TRIP_SAMPLE).map_err(ctx)?;
-
-    let out = OutputDir::create(
-        &opts.out,
-        opts.force,
-        &[InputPath::new("--gguf", &opts.gguf)],
-    )?;
-    let dir = out.path().to_path_buf();
+/// Writes the planned tensors as BF16 shards into `dir` (after checking the disk has room), one
+/// progress step per tensor; returns their specs.
+fn write_tensors(
+    content: &Content,
+    file: &mut std::fs::File,
+    path: &Path,
+    plan: &[Planned],
+    dir: &Path,
+    shard_bytes: u64,
+) -> Result<Vec<TensorSpec>> {
     let specs: Vec<TensorSpec> = plan
         .iter()
         .map(|(n, s, _, _)| TensorSpec::new(n.clone(), Dtype::BF16, s.clone()))
         .collect();
     crate::checkpoint::guard::check_disk_space(
         "--out",
-        &dir,
+        dir,
         specs.iter().map(TensorSpec::nbytes).sum(),
         "the tensors",
     )?;
     let pb = crate::progress::bar(specs.len() as u64, "import");
-    writer::write_sharded(&dir, &specs, opts.shard_bytes, |spec, w| {
-        let (_, shape, src, heads) = plan
+    writer::write_sharded(dir, &specs, shard_bytes, |spec, w| {
+        let planned = plan
             .iter()
             .find(|p| p.0 == spec.name)
             .expect("planned tensor");
-        let q = content
-            .tensor(&mut file, src, &Device::Cpu)
-            .map_err(|e| anyhow!("cannot read tensor {src} of {}: {e}", path.display()))?;
-        let t = q
-            .dequantize(&Device::Cpu)
-            .map_err(|e| anyhow!("cannot dequantize tensor {src} ({:?}): {e}", q.dtype()))?;
-        let mut v: Vec<f32> = t.flatten_all()?.to_vec1()?;
-        if let Some(h) = heads {
-            v = unpermute_rows(&v, shape[0], shape[1], *h)
-                .with_context(|| format!("un-permuting {src}"))?;
-        }
-        if let Some(i) = v.iter().position(|x| !x.is_finite()) {
-            bail!(
-                "tensor {src} of {} holds a non-finite value at element {i}",
-                path.display()
-            );
-        }
-        let mut bytes = Vec::with_capacity(v.len() * 2);
-        for x in v {
-            bytes.extend_from_slice(&half::bf16::from_f32(x).to_le_bytes());
-        }
-        w.write_all(&bytes)?;
+        w.write_all(&bf16_tensor(content, file, path, planned)?)?;
         pb.inc(1);
         Ok(())
     })?;
     pb.finish_and_clear();
+    Ok(specs)
+}
 
-    let json = |v: &serde_json::Value| serde_json::to_string_pretty(v).expect("json");
-    writer::write_file(&dir.join("config.json"), json(&cfg_json).as_bytes())?;
-    let mut gen = serde_json::json!({});
-    for (key, id) in [
-        ("bos_token_id", vocab.bos),
-        ("eos_token_id", vocab.eos),
-        ("pad_token_id", vocab.pad),
-    ] {
-        if let Some(id) = id {
-            gen[key] = id.into();
-        }
+/// The BF16 bytes of a planned tensor: its GGUF tensor read, dequantized, its rows un-permuted
+/// (Q and K), refused when a value is not finite.
+fn bf16_tensor(
+    content: &Content,
+    file: &mut std::fs::File,
+    path: &Path,
+    (_, shape, src, heads): &Planned,
+) -> Result<Vec<u8>> {
+    let q = content
+        .tensor(file, src, &Device::Cpu)
+        .map_err(|e| anyhow!("cannot read tensor {src} of {}: {e}", path.display()))?;
+    let t = q
+        .dequantize(&Device::Cpu)
+        .map_err(|e| anyhow!("cannot dequantize tensor {src} ({:?}): {e}", q.dtype()))?;
+    let mut v: Vec<f32> = t.flatten_all()?.to_vec1()?;
+    if let Some(h) = heads {
+        v = unpermute_rows(&v, shape[0], shape[1], *h)
+            .with_context(|| format!("un-permuting {src}"))?;
     }
-    writer::write_file(&dir.join("generation_config.json"), json(&gen).as_bytes())?;
+    if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+        bail!(
+            "tensor {src} of {} holds a non-finite value at element {i}",
+            path.display()
+        );
+    }
+    let mut bytes = Vec::with_capacity(v.len() * 2);
+    for x in v {
+        bytes.extend_from_slice(&half::bf16::from_f32(x).to_le_bytes());
+    }
+    Ok(bytes)
+}
+
+/// Pretty-printed JSON.
+fn to_json(v: &serde_json::Value) -> String {
+    serde_json::to_string_pretty(v).expect("json")
+}
+
+/// Writes `config.json`, `generation_config.json`, `tokenizer.json` and `tokenizer_config.json`.
+fn write_configs(
+    dir: &Path,
+    cfg_json: &serde_json::Value,
+    vocab: &GgufVocab,
+    tok: &tokenizers::Tokenizer,
+    cfg: &LlamaConfig,
+) -> Result<()> {
+    writer::write_file(&dir.join("config.json"), to_json(cfg_json).as_bytes())?;
+    let mut gen = serde_json::json!({});
+    set_special_ids(&mut gen, vocab);
+    writer::write_file(
+        &dir.join("generation_config.json"),
+        to_json(&gen).as_bytes(),
+    )?;
     let tok_json = tok
         .to_string(true)
         .map_err(|e| anyhow!("cannot serialize the tokenizer: {e}"))?;
     writer::write_file(&dir.join("tokenizer.json"), tok_json.as_bytes())?;
     writer::write_file(
         &dir.join("tokenizer_config.json"),
-        json(&vocab.tokenizer_config(cfg.max_position_embeddings)).as_bytes(),
+        to_json(&vocab.tokenizer_config(cfg.max_position_embeddings)).as_bytes(),
     )?;
-
-    let meta = std::fs::metadata(path)?;
-    let mut general = BTreeMap::new();
-    for (k, v) in &content.metadata {
-        if let (true, Value::String(s)) = (k.starts_with("general."), v) {
-            general.insert(k.clone(), s.clone());
-        }
-    }
-    let report = ImportReport {
-        source: path.display().to_string(),
-        source_sha256: writer::sha256_file(path)?,
-        source_bytes: meta.len(),
-        general,
-        architecture: cfg.family.architecture().to_string(),
-        parameters: cfg
-            .expected_tensors()
-            .iter()
-            .map(|(_, s)| s.iter().product::<usize>() as u64)
-            .sum(),
-        tensors: specs.len(),
-        tensor_types,
-        tie_word_embeddings: tied,
-        vocab_size: cfg.vocab_size,
-        tokenizer_pre: vocab.pre.clone(),
-        unpermuted: plan.iter().filter(|p| p.3.is_some()).count(),
-        output: opts.out.display().to_string(),
-    };
-    let mut rec = serde_json::to_value(&report)?;
-    rec["tool"] = format!("soar-gptq {}", env!("CARGO_PKG_VERSION")).into();
-    writer::write_file(&dir.join("gguf_import.json"), json(&rec).as_bytes())?;
-    out.commit()?;
-    Ok(report)
+    Ok(())
 }
 
 #[cfg(test)]

@@ -80,9 +80,30 @@ impl GgufVocab {
                 self.tokens.len()
             );
         }
+        let pre_tokenizer = self.pre_tokenizer()?;
+        let mut tok = Tokenizer::new(self.bpe()?);
+        tok.with_pre_tokenizer(Some(pre_tokenizer));
+        tok.with_decoder(Some(ByteLevelDecoder::default()));
+        tok.with_post_processor(Some(self.post_processor()?));
+        let (special, normal): (Vec<_>, Vec<_>) = self.added().into_iter().partition(|a| a.2);
+        let added = |v: Vec<(u32, &str, bool)>, s: bool| -> Vec<AddedToken> {
+            v.into_iter()
+                .map(|(_, c, _)| AddedToken::from(c.to_string(), s).normalized(false))
+                .collect()
+        };
+        tok.add_special_tokens(added(special, true))
+            .map_err(|e| anyhow::anyhow!("cannot add the control tokens: {e}"))?;
+        tok.add_tokens(added(normal, false))
+            .map_err(|e| anyhow::anyhow!("cannot add the user-defined tokens: {e}"))?;
+        Ok(tok)
+    }
+
+    /// The pre-tokenizer `tokenizer.ggml.pre` names: GPT-2's byte-level regex, optionally after
+    /// splitting single digits.
+    fn pre_tokenizer(&self) -> Result<PreTokenizerWrapper> {
         let pre = self.pre.as_deref().unwrap_or("default");
         let byte_level = ByteLevel::new(false, true, true);
-        let pre_tokenizer: PreTokenizerWrapper = if PRE_GPT2.contains(&pre) {
+        Ok(if PRE_GPT2.contains(&pre) {
             byte_level.into()
         } else if PRE_DIGITS_GPT2.contains(&pre) {
             Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
@@ -92,7 +113,12 @@ impl GgufVocab {
                 PRE_GPT2.join(", "),
                 PRE_DIGITS_GPT2.join(", ")
             );
-        };
+        })
+    }
+
+    /// The BPE model of the tokens and merges; refused when a token is given twice or a merge
+    /// names a token the vocabulary lacks.
+    fn bpe(&self) -> Result<BPE> {
         let mut vocab = Vocab::default();
         for (i, t) in self.tokens.iter().enumerate() {
             if let Some(prev) = vocab.insert(t.clone(), i as u32) {
@@ -113,64 +139,53 @@ impl GgufVocab {
             }
             merges.push((a.to_string(), b.to_string()));
         }
-        let bpe = BPE::builder()
+        BPE::builder()
             .vocab_and_merges(vocab, merges)
             .build()
-            .map_err(|e| anyhow::anyhow!("cannot build the BPE model: {e}"))?;
-        let mut tok = Tokenizer::new(bpe);
-        tok.with_pre_tokenizer(Some(pre_tokenizer));
-        tok.with_decoder(Some(ByteLevelDecoder::default()));
-        let post: PostProcessorWrapper = if self.add_bos || self.add_eos {
-            let mut single = vec![];
-            let mut specials = vec![];
-            for (on, id, what) in [
-                (self.add_bos, self.bos, "bos"),
-                (self.add_eos, self.eos, "eos"),
-            ] {
-                if !on {
-                    continue;
-                }
-                let t = self.token(id).with_context(|| {
-                    format!("tokenizer.ggml.add_{what}_token is true but tokenizer.ggml.{what}_token_id is missing or out of range")
-                })?;
-                specials.push((t.to_string(), id.unwrap()));
-                single.push(t.to_string());
+            .map_err(|e| anyhow::anyhow!("cannot build the BPE model: {e}"))
+    }
+
+    /// The post-processor: a template adding the BOS and EOS tokens the metadata asks for, or
+    /// the byte-level one when it asks for neither.
+    fn post_processor(&self) -> Result<PostProcessorWrapper> {
+        if !(self.add_bos || self.add_eos) {
+            return Ok(ByteLevel::new(false, true, true).into());
+        }
+        let mut single = vec![];
+        let mut specials = vec![];
+        for (on, id, what) in [
+            (self.add_bos, self.bos, "bos"),
+            (self.add_eos, self.eos, "eos"),
+        ] {
+            if !on {
+                continue;
             }
-            let (bos, eos) = (
-                self.add_bos.then(|| single[0].clone()),
-                self.add_eos.then(|| single.last().unwrap().clone()),
-            );
-            let seq = |x: &str| {
-                [bos.clone(), Some(x.to_string()), eos.clone()]
-                    .into_iter()
-                    .flatten()
-                    .collect::<Vec<_>>()
-                    .join(" ")
-            };
-            TemplateProcessing::builder()
-                .try_single(seq("$A"))
-                .map_err(|e| anyhow::anyhow!("template: {e}"))?
-                .try_pair(format!("{} {}", seq("$A"), seq("$B:1")))
-                .map_err(|e| anyhow::anyhow!("template: {e}"))?
-                .special_tokens(specials)
-                .build()
-                .map_err(|e| anyhow::anyhow!("template: {e}"))?
-                .into()
-        } else {
-            ByteLevel::new(false, true, true).into()
+            let t = self.token(id).with_context(|| {
+                format!("tokenizer.ggml.add_{what}_token is true but tokenizer.ggml.{what}_token_id is missing or out of range")
+            })?;
+            specials.push((t.to_string(), id.unwrap()));
+            single.push(t.to_string());
+        }
+        let (bos, eos) = (
+            self.add_bos.then(|| single[0].clone()),
+            self.add_eos.then(|| single.last().unwrap().clone()),
+        );
+        let seq = |x: &str| {
+            [bos.clone(), Some(x.to_string()), eos.clone()]
+                .into_iter()
+                .flatten()
+                .collect::<Vec<_>>()
+                .join(" ")
         };
-        tok.with_post_processor(Some(post));
-        let (special, normal): (Vec<_>, Vec<_>) = self.added().into_iter().partition(|a| a.2);
-        let added = |v: Vec<(u32, &str, bool)>, s: bool| -> Vec<AddedToken> {
-            v.into_iter()
-                .map(|(_, c, _)| AddedToken::from(c.to_string(), s).normalized(false))
-                .collect()
-        };
-        tok.add_special_tokens(added(special, true))
-            .map_err(|e| anyhow::anyhow!("cannot add the control tokens: {e}"))?;
-        tok.add_tokens(added(normal, false))
-            .map_err(|e| anyhow::anyhow!("cannot add the user-defined tokens: {e}"))?;
-        Ok(tok)
+        Ok(TemplateProcessing::builder()
+            .try_single(seq("$A"))
+            .map_err(|e| anyhow::anyhow!("template: {e}"))?
+            .try_pair(format!("{} {}", seq("$A"), seq("$B:1")))
+            .map_err(|e| anyhow::anyhow!("template: {e}"))?
+            .special_tokens(specials)
+            .build()
+            .map_err(|e| anyhow::anyhow!("template: {e}"))?
+            .into())
     }
 
     /// `tokenizer_config.json` for Transformers (`PreTrainedTokenizerFast` reading tokenizer.json).

@@ -129,81 +129,19 @@ pub fn inspect_quantized(dir: &Path) -> Result<QuantInspectReport> {
         )
     })?;
     // The manifest first: a corrupted shard is then reported as such, not as a parse error.
-    let manifest = if dir.join(MANIFEST_FILE).is_file() {
-        let problems = verify_manifest(dir)?;
-        ensure!(
-            problems.is_empty(),
-            "{} does not match the files in {} (corrupted or modified after writing; re-create \
-             or re-download the checkpoint):\n  {}",
-            MANIFEST_FILE,
-            dir.display(),
-            problems.join("\n  ")
-        );
-        Some("all files match their SHA-256".to_string())
-    } else {
-        None
-    };
+    let manifest = check_manifest(dir)?;
     let ck = Checkpoint::open(dir)?;
     ck.check_finite()?;
     let expected = crate::model::expected_bf16_tensors(dir);
-    let validated_against = match &expected {
-        Ok(e) => format!(
-            "{} layout from config.json ({} tensors)",
-            crate::model::AnyConfig::from_file(&dir.join(CONFIG_FILE))
-                .map_or("config.json", |c| c.display_name()),
-            e.len()
-        ),
-        Err(why) => format!(
-            "quantized tensor sets only (config.json is not a config of a supported architecture: {})",
-            why.lines().next().unwrap_or_default()
-        ),
-    };
+    let validated_against = validated_against(dir, &expected);
     let modules = validate_quantized_modules(&ck, &info, expected.as_ref().ok().map(Vec::as_slice))
         .with_context(|| format!("validation of {} failed", dir.display()))?;
-    let architecture = dir
-        .join(CONFIG_FILE)
-        .is_file()
-        .then(|| read_json(&dir.join(CONFIG_FILE)).ok())
-        .flatten()
-        .and_then(|c| {
-            c.get("architectures")?.as_array().map(|a| {
-                a.iter()
-                    .filter_map(|x| x.as_str())
-                    .collect::<Vec<_>>()
-                    .join(",")
-            })
-        });
+    let architecture = architecture(dir);
 
     let mut warnings = Vec::new();
     let by_prefix: HashMap<&str, &QuantModule> =
         modules.iter().map(|m| (m.prefix.as_str(), m)).collect();
-    let mut kept = Vec::new();
-    for (name, e) in ck.entries() {
-        let Some(p) = name.strip_suffix(".weight") else {
-            continue;
-        };
-        if e.shape.len() != 2 || !e.dtype.is_float() {
-            continue;
-        }
-        let rule = info.skip_rule(p).map(|r| r.key.clone());
-        if rule.is_none() && !modules.is_empty() && p.contains(".layers.") {
-            warnings.push(format!(
-                "{} is kept {} but no dynamic \"-:\" rule in {} matches {p}: SGLang and vLLM \
-                 would expect {p}.qweight and fail to load it; add a rule such as \"-:{}\": {{}}",
-                at(&ck, name),
-                e.dtype.name(),
-                info.source.display(),
-                regex::escape(p)
-            ));
-        }
-        kept.push(KeptTensor {
-            name: name.clone(),
-            dtype: e.dtype.name().to_string(),
-            shape: e.shape.clone(),
-            skip_rule: rule,
-        });
-    }
-    kept.sort_by(|a, b| crate::format::quantized::natural_cmp(&a.name, &b.name));
+    let kept = kept_tensors(&ck, &info, &modules, &mut warnings);
 
     let dynamic_rules = info
         .dynamic
@@ -221,33 +159,10 @@ pub fn inspect_quantized(dir: &Path) -> Result<QuantInspectReport> {
     Ok(QuantInspectReport {
         dir: dir.display().to_string(),
         architecture,
-        settings: QuantSettings {
-            quant_method: info.quant_method().map(str::to_string),
-            checkpoint_format: info.format.checkpoint_format().to_string(),
-            bits: info.bits,
-            group_size: info.group_size,
-            sym: info.sym,
-            desc_act: info.desc_act,
-            lm_head: info.lm_head,
-            source: info.source.display().to_string(),
-            missing_keys: info.missing_keys.clone(),
-        },
+        settings: settings_report(&info),
         dynamic_rules,
         validated_against,
-        quantized_modules: modules
-            .iter()
-            .map(|m| ModuleReport {
-                prefix: m.prefix.clone(),
-                n: m.n,
-                k: m.k,
-                bits: m.bits,
-                group_size: m.group_size,
-                sym: m.sym,
-                desc_act: m.desc_act,
-                act_order: m.act_order,
-                bytes: m.bytes,
-            })
-            .collect(),
+        quantized_modules: modules.iter().map(module_report).collect(),
         kept_modules: kept,
         tensors: ck.names().count(),
         shards: ck
@@ -267,6 +182,130 @@ pub fn inspect_quantized(dir: &Path) -> Result<QuantInspectReport> {
         warnings,
         valid: true,
     })
+}
+
+/// Checks the files against `manifest.json` when there is one (an error when any differs); what
+/// the report says of it.
+fn check_manifest(dir: &Path) -> Result<Option<String>> {
+    Ok(if dir.join(MANIFEST_FILE).is_file() {
+        let problems = verify_manifest(dir)?;
+        ensure!(
+            problems.is_empty(),
+            "{} does not match the files in {} (corrupted or modified after writing; re-create \
+             or re-download the checkpoint):\n  {}",
+            MANIFEST_FILE,
+            dir.display(),
+            problems.join("\n  ")
+        );
+        Some("all files match their SHA-256".to_string())
+    } else {
+        None
+    })
+}
+
+/// What the tensors are validated against: the layout config.json implies, or (when it is not a
+/// config of a supported architecture) the quantized tensor sets alone.
+fn validated_against(
+    dir: &Path,
+    expected: &std::result::Result<Vec<(String, Vec<usize>)>, String>,
+) -> String {
+    match expected {
+        Ok(e) => format!(
+            "{} layout from config.json ({} tensors)",
+            crate::model::AnyConfig::from_file(&dir.join(CONFIG_FILE))
+                .map_or("config.json", |c| c.display_name()),
+            e.len()
+        ),
+        Err(why) => format!(
+            "quantized tensor sets only (config.json is not a config of a supported architecture: {})",
+            why.lines().next().unwrap_or_default()
+        ),
+    }
+}
+
+/// config.json's `architectures`, comma-separated, when it has them.
+fn architecture(dir: &Path) -> Option<String> {
+    dir.join(CONFIG_FILE)
+        .is_file()
+        .then(|| read_json(&dir.join(CONFIG_FILE)).ok())
+        .flatten()
+        .and_then(|c| {
+            c.get("architectures")?.as_array().map(|a| {
+                a.iter()
+                    .filter_map(|x| x.as_str())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
+        })
+}
+
+/// The 2-D float `.weight` tensors kept in 16 bits, in natural order, with the skip rule that
+/// keeps each; warns of decoder-layer ones no rule keeps (the engines would expect them
+/// quantized).
+fn kept_tensors(
+    ck: &Checkpoint,
+    info: &QuantInfo,
+    modules: &[QuantModule],
+    warnings: &mut Vec<String>,
+) -> Vec<KeptTensor> {
+    let mut kept = Vec::new();
+    for (name, e) in ck.entries() {
+        let Some(p) = name.strip_suffix(".weight") else {
+            continue;
+        };
+        if e.shape.len() != 2 || !e.dtype.is_float() {
+            continue;
+        }
+        let rule = info.skip_rule(p).map(|r| r.key.clone());
+        if rule.is_none() && !modules.is_empty() && p.contains(".layers.") {
+            warnings.push(format!(
+                "{} is kept {} but no dynamic \"-:\" rule in {} matches {p}: SGLang and vLLM \
+                 would expect {p}.qweight and fail to load it; add a rule such as \"-:{}\": {{}}",
+                at(ck, name),
+                e.dtype.name(),
+                info.source.display(),
+                regex::escape(p)
+            ));
+        }
+        kept.push(KeptTensor {
+            name: name.clone(),
+            dtype: e.dtype.name().to_string(),
+            shape: e.shape.clone(),
+            skip_rule: rule,
+        });
+    }
+    kept.sort_by(|a, b| crate::format::quantized::natural_cmp(&a.name, &b.name));
+    kept
+}
+
+/// The checkpoint-wide settings as reported.
+fn settings_report(info: &QuantInfo) -> QuantSettings {
+    QuantSettings {
+        quant_method: info.quant_method().map(str::to_string),
+        checkpoint_format: info.format.checkpoint_format().to_string(),
+        bits: info.bits,
+        group_size: info.group_size,
+        sym: info.sym,
+        desc_act: info.desc_act,
+        lm_head: info.lm_head,
+        source: info.source.display().to_string(),
+        missing_keys: info.missing_keys.clone(),
+    }
+}
+
+/// One quantized module as reported.
+fn module_report(m: &QuantModule) -> ModuleReport {
+    ModuleReport {
+        prefix: m.prefix.clone(),
+        n: m.n,
+        k: m.k,
+        bits: m.bits,
+        group_size: m.group_size,
+        sym: m.sym,
+        desc_act: m.desc_act,
+        act_order: m.act_order,
+        bytes: m.bytes,
+    }
 }
 
 fn rule_report(r: &DynamicRule, modules: &[QuantModule], kept: &[KeptTensor]) -> RuleReport {
@@ -317,26 +356,7 @@ fn check_fused_groups(
             .iter()
             .map(|p| (p.clone(), by_prefix.get(p.as_str()).copied()))
             .collect();
-        let quantized: Vec<&str> = states
-            .iter()
-            .filter(|s| s.1.is_some())
-            .map(|s| s.0.as_str())
-            .collect();
-        if !quantized.is_empty() && quantized.len() != states.len() {
-            let kept: Vec<&str> = states
-                .iter()
-                .filter(|s| s.1.is_none())
-                .map(|s| s.0.as_str())
-                .collect();
-            bail!(
-                "fused group {fused} mixes quantized and unquantized modules (SGLang and vLLM \
-                 load them as one layer): quantized {}, kept {}; quantize all of them or none \
-                 (check the dynamic rules in {})",
-                quantized.join(", "),
-                kept.join(", "),
-                info.source.display()
-            );
-        }
+        check_all_or_none(info, &fused, &states)?;
         let state = match states.first().and_then(|s| s.1) {
             None => {
                 if info.skip_rule(&fused).is_none() && !modules.is_empty() {
@@ -352,36 +372,9 @@ fn check_fused_groups(
                 "kept unquantized".to_string()
             }
             Some(first) => {
-                let key = |m: &QuantModule| (m.bits, m.group_size, m.sym, m.desc_act, m.act_order);
-                if let Some((p, m)) = states
-                    .iter()
-                    .map(|(p, m)| (p, m.unwrap()))
-                    .find(|(_, m)| key(m) != key(first))
-                {
-                    bail!(
-                        "fused group {fused} mixes settings (SGLang and vLLM load it as one \
-                         layer with one set): {} is {} but {p} is {}",
-                        first.prefix,
-                        describe(first),
-                        describe(m)
-                    );
-                }
-                if first.act_order {
-                    let order = |m: &QuantModule| -> Result<Vec<i32>> {
-                        match info.format {
-                            QuantFormat::Marlin => {
-                                ck.i32_data(&format!("{}.{SORT_INDICES_SUFFIX}", m.prefix))
-                            }
-                            _ => ck.i32_data(&format!("{}.g_idx", m.prefix)),
-                        }
-                    };
-                    let reference = order(first)?;
-                    for (_, m) in &states {
-                        if order(m.unwrap())? != reference {
-                            g_idx_differs.push(fused.clone());
-                            break;
-                        }
-                    }
+                check_same_settings(&fused, first, &states)?;
+                if first.act_order && !same_act_order(ck, info, first, &states)? {
+                    g_idx_differs.push(fused.clone());
                 }
                 if let Some(rule) = info.skip_rule(&fused) {
                     warnings.push(format!(
@@ -401,22 +394,103 @@ fn check_fused_groups(
             state,
         });
     }
-    if !g_idx_differs.is_empty() {
-        const SHOWN: usize = 3;
-        warnings.push(format!(
-            "{} fused group(s) have members with different act-order g_idx ({}{}); vLLM is \
-             believed to keep one g_idx per fused layer, so serving them fused may misplace input \
-             columns (members that share an input should share one act-order permutation)",
-            g_idx_differs.len(),
-            g_idx_differs[..g_idx_differs.len().min(SHOWN)].join(", "),
-            if g_idx_differs.len() > SHOWN {
-                ", ..."
-            } else {
-                ""
-            }
-        ));
-    }
+    warnings.extend(g_idx_warning(&g_idx_differs));
     Ok(out)
+}
+
+/// Refuses a fused group that mixes quantized and unquantized members.
+fn check_all_or_none(
+    info: &QuantInfo,
+    fused: &str,
+    states: &[(String, Option<&QuantModule>)],
+) -> Result<()> {
+    let quantized: Vec<&str> = states
+        .iter()
+        .filter(|s| s.1.is_some())
+        .map(|s| s.0.as_str())
+        .collect();
+    if !quantized.is_empty() && quantized.len() != states.len() {
+        let kept: Vec<&str> = states
+            .iter()
+            .filter(|s| s.1.is_none())
+            .map(|s| s.0.as_str())
+            .collect();
+        bail!(
+            "fused group {fused} mixes quantized and unquantized modules (SGLang and vLLM \
+             load them as one layer): quantized {}, kept {}; quantize all of them or none \
+             (check the dynamic rules in {})",
+            quantized.join(", "),
+            kept.join(", "),
+            info.source.display()
+        );
+    }
+    Ok(())
+}
+
+/// Refuses a quantized fused group whose members differ from `first` in their settings.
+fn check_same_settings(
+    fused: &str,
+    first: &QuantModule,
+    states: &[(String, Option<&QuantModule>)],
+) -> Result<()> {
+    let key = |m: &QuantModule| (m.bits, m.group_size, m.sym, m.desc_act, m.act_order);
+    if let Some((p, m)) = states
+        .iter()
+        .map(|(p, m)| (p, m.unwrap()))
+        .find(|(_, m)| key(m) != key(first))
+    {
+        bail!(
+            "fused group {fused} mixes settings (SGLang and vLLM load it as one \
+             layer with one set): {} is {} but {p} is {}",
+            first.prefix,
+            describe(first),
+            describe(m)
+        );
+    }
+    Ok(())
+}
+
+/// Whether every member of an act-order fused group has `first`'s input order (Marlin sort
+/// indices, or GPTQ `g_idx`).
+fn same_act_order(
+    ck: &Checkpoint,
+    info: &QuantInfo,
+    first: &QuantModule,
+    states: &[(String, Option<&QuantModule>)],
+) -> Result<bool> {
+    let order = |m: &QuantModule| -> Result<Vec<i32>> {
+        match info.format {
+            QuantFormat::Marlin => ck.i32_data(&format!("{}.{SORT_INDICES_SUFFIX}", m.prefix)),
+            _ => ck.i32_data(&format!("{}.g_idx", m.prefix)),
+        }
+    };
+    let reference = order(first)?;
+    for (_, m) in states {
+        if order(m.unwrap())? != reference {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// The warning about fused groups whose members have different act-order `g_idx`, if any.
+fn g_idx_warning(g_idx_differs: &[String]) -> Option<String> {
+    if g_idx_differs.is_empty() {
+        return None;
+    }
+    const SHOWN: usize = 3;
+    Some(format!(
+        "{} fused group(s) have members with different act-order g_idx ({}{}); vLLM is \
+         believed to keep one g_idx per fused layer, so serving them fused may misplace input \
+         columns (members that share an input should share one act-order permutation)",
+        g_idx_differs.len(),
+        g_idx_differs[..g_idx_differs.len().min(SHOWN)].join(", "),
+        if g_idx_differs.len() > SHOWN {
+            ", ..."
+        } else {
+            ""
+        }
+    ))
 }
 
 /// Finite scales everywhere, and the Marlin tiles round-trip: Marlin checkpoints unpack and repack
@@ -489,81 +563,8 @@ fn marlin_consistency(
 /// SGLang's and vLLM's choice of `gptq_marlin` (docs/engines.md, What each engine builds), at
 /// tensor-parallel size 1.
 pub fn gptq_marlin_verdicts(info: &QuantInfo, modules: &[QuantModule]) -> Vec<EngineVerdict> {
-    let src = info.source.display();
-    let mut common = Vec::new();
-    if !info.in_config_json {
-        common.push(format!(
-            "config.json has no quantization_config (the engines detect the method from \
-             config.json only; with {src} alone pass --quantization gptq_marlin)"
-        ));
-    }
-    match info.raw.get("quant_method").and_then(|v| v.as_str()) {
-        Some(m) if m.eq_ignore_ascii_case("gptq") => {}
-        Some(m) => common.push(format!(
-            "quant_method is {m:?} in {src}; gptq_marlin requires \"gptq\""
-        )),
-        None => common.push(format!(
-            "quant_method is missing from {src}; gptq_marlin requires quant_method \"gptq\""
-        )),
-    }
-    for key in ["bits", "group_size", "sym", "desc_act"] {
-        if info.raw.get(key).is_none_or(|v| v.is_null()) {
-            common.push(format!(
-                "{key} is missing from {src}; gptq_marlin needs bits, group_size, sym and \
-                 desc_act all present"
-            ));
-        }
-    }
-    common.extend(settings_reasons(
-        info.bits,
-        info.sym,
-        info.group_size,
-        "the checkpoint",
-    ));
-    // Per module: dynamic overrides and the kernel's shape limits.
-    let mut layer = Vec::new();
-    for m in modules {
-        let mut why = Vec::new();
-        if (m.bits, m.sym, m.group_size) != (info.bits, info.sym, info.group_size) {
-            why.extend(settings_reasons(m.bits, m.sym, m.group_size, "this module"));
-        }
-        if !m.n.is_multiple_of(MARLIN_N_MULTIPLE) {
-            why.push(format!(
-                "N = {} is not a multiple of {MARLIN_N_MULTIPLE}",
-                m.n
-            ));
-        }
-        if !m.k.is_multiple_of(MARLIN_K_MULTIPLE) {
-            why.push(format!(
-                "K = {} is not a multiple of {MARLIN_K_MULTIPLE}",
-                m.k
-            ));
-        }
-        if m.k % m.group_len() != 0 {
-            why.push(format!(
-                "K = {} is not a multiple of the group size {}",
-                m.k, m.group_size
-            ));
-        }
-        if !why.is_empty() {
-            layer.push(format!("{}: {}", m.prefix, why.join(", ")));
-        }
-    }
-    if !layer.is_empty() {
-        const SHOWN: usize = 5;
-        let more = layer.len().saturating_sub(SHOWN);
-        common.push(format!(
-            "{} module(s) fail gptq_marlin's per-layer limits (N % 64, K % 128, K % group; the \
-             engine errors or uses another kernel for them): {}{}",
-            layer.len(),
-            layer[..layer.len().min(SHOWN)].join("; "),
-            if more > 0 {
-                format!("; and {more} more")
-            } else {
-                String::new()
-            }
-        ));
-    }
+    let mut common = config_reasons(info);
+    common.extend(module_limits_reason(info, modules));
     let mut vllm = common.clone();
     let mut sglang = common;
     if info.format == QuantFormat::Marlin {
@@ -608,6 +609,93 @@ pub fn gptq_marlin_verdicts(info: &QuantInfo, modules: &[QuantModule]) -> Vec<En
     ]
 }
 
+/// Why the checkpoint's settings keep both engines from `gptq_marlin`: where they are, the
+/// method, missing keys, and what the kernel does not take.
+fn config_reasons(info: &QuantInfo) -> Vec<String> {
+    let src = info.source.display();
+    let mut common = Vec::new();
+    if !info.in_config_json {
+        common.push(format!(
+            "config.json has no quantization_config (the engines detect the method from \
+             config.json only; with {src} alone pass --quantization gptq_marlin)"
+        ));
+    }
+    match info.raw.get("quant_method").and_then(|v| v.as_str()) {
+        Some(m) if m.eq_ignore_ascii_case("gptq") => {}
+        Some(m) => common.push(format!(
+            "quant_method is {m:?} in {src}; gptq_marlin requires \"gptq\""
+        )),
+        None => common.push(format!(
+            "quant_method is missing from {src}; gptq_marlin requires quant_method \"gptq\""
+        )),
+    }
+    for key in ["bits", "group_size", "sym", "desc_act"] {
+        if info.raw.get(key).is_none_or(|v| v.is_null()) {
+            common.push(format!(
+                "{key} is missing from {src}; gptq_marlin needs bits, group_size, sym and \
+                 desc_act all present"
+            ));
+        }
+    }
+    common.extend(settings_reasons(
+        info.bits,
+        info.sym,
+        info.group_size,
+        "the checkpoint",
+    ));
+    common
+}
+
+/// The modules that fail gptq_marlin's per-layer limits (their dynamic overrides, the kernel's
+/// shape limits), as one reason naming the first few; None when every module fits.
+fn module_limits_reason(info: &QuantInfo, modules: &[QuantModule]) -> Option<String> {
+    // Per module: dynamic overrides and the kernel's shape limits.
+    let mut layer = Vec::new();
+    for m in modules {
+        let mut why = Vec::new();
+        if (m.bits, m.sym, m.group_size) != (info.bits, info.sym, info.group_size) {
+            why.extend(settings_reasons(m.bits, m.sym, m.group_size, "this module"));
+        }
+        if !m.n.is_multiple_of(MARLIN_N_MULTIPLE) {
+            why.push(format!(
+                "N = {} is not a multiple of {MARLIN_N_MULTIPLE}",
+                m.n
+            ));
+        }
+        if !m.k.is_multiple_of(MARLIN_K_MULTIPLE) {
+            why.push(format!(
+                "K = {} is not a multiple of {MARLIN_K_MULTIPLE}",
+                m.k
+            ));
+        }
+        if m.k % m.group_len() != 0 {
+            why.push(format!(
+                "K = {} is not a multiple of the group size {}",
+                m.k, m.group_size
+            ));
+        }
+        if !why.is_empty() {
+            layer.push(format!("{}: {}", m.prefix, why.join(", ")));
+        }
+    }
+    if layer.is_empty() {
+        return None;
+    }
+    const SHOWN: usize = 5;
+    let more = layer.len().saturating_sub(SHOWN);
+    Some(format!(
+        "{} module(s) fail gptq_marlin's per-layer limits (N % 64, K % 128, K % group; the \
+         engine errors or uses another kernel for them): {}{}",
+        layer.len(),
+        layer[..layer.len().min(SHOWN)].join("; "),
+        if more > 0 {
+            format!("; and {more} more")
+        } else {
+            String::new()
+        }
+    ))
+}
+
 fn settings_reasons(bits: u8, sym: bool, group_size: GroupSize, what: &str) -> Vec<String> {
     let mut out = Vec::new();
     if !sym {
@@ -631,6 +719,17 @@ fn settings_reasons(bits: u8, sym: bool, group_size: GroupSize, what: &str) -> V
 
 impl QuantInspectReport {
     pub fn print_text(&self) {
+        self.print_settings();
+        self.print_contents();
+        self.print_checks();
+        crate::engine::print_summaries(&self.loads, &self.dir);
+        for w in &self.warnings {
+            crate::outln!("warning        {w}");
+        }
+    }
+
+    /// The folder, architecture, quantization settings and `dynamic` rules.
+    fn print_settings(&self) {
         let s = &self.settings;
         crate::outln!("model          {}", self.dir);
         if let Some(a) = &self.architecture {
@@ -659,6 +758,10 @@ impl QuantInspectReport {
             };
             crate::outln!("dynamic        {:?}: {what} ({} match)", r.key, r.matches);
         }
+    }
+
+    /// The quantized and kept modules, and the sizes.
+    fn print_contents(&self) {
         let act = self
             .quantized_modules
             .iter()
@@ -699,6 +802,11 @@ impl QuantInspectReport {
             self.tensors,
             self.shards.len()
         );
+    }
+
+    /// What the checks found: fused groups, manifest, Marlin round trip, validation, and each
+    /// engine's choice of `gptq_marlin`.
+    fn print_checks(&self) {
         let fused_q = self
             .fused_groups
             .iter()
@@ -727,10 +835,6 @@ impl QuantInspectReport {
             for n in &e.notes {
                 crate::outln!("                 note: {n}");
             }
-        }
-        crate::engine::print_summaries(&self.loads, &self.dir);
-        for w in &self.warnings {
-            crate::outln!("warning        {w}");
         }
     }
 }

@@ -491,19 +491,7 @@ pub fn build_windows(
     }
     let weights: Vec<f64> = sources.iter().map(|s| s.weight).collect();
     let alloc = allocate(nsamples, &weights);
-    let tokenize = |text: &str, what: &str| -> Result<Vec<u32>> {
-        let ids = tokenizer
-            .encode(text, false)
-            .map_err(|e| anyhow!("cannot tokenize {what}: {e}"))?
-            .get_ids()
-            .to_vec();
-        if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab_size) {
-            bail!(
-                "tokenizing {what} produced id {bad}, beyond the model's vocab_size {vocab_size}"
-            );
-        }
-        Ok(ids)
-    };
+    let tokenize = |text: &str, what: &str| tokenize_checked(tokenizer, vocab_size, text, what);
     let streams = sources
         .iter()
         .map(|src| {
@@ -512,6 +500,52 @@ pub fn build_windows(
             })
         })
         .collect::<Result<Vec<_>>>()?;
+    check_enough_tokens(sources, &streams, &alloc, lengths)?;
+    let separator = tokenize("\n\n", "a blank line")?;
+    let window_lengths = lengths.draw(nsamples, seed);
+    let mut rng = SplitMix64::new(seed ^ 0x5EED_CA11);
+    let draw = Draw {
+        streams: &streams,
+        weights: &weights,
+        separator: &separator,
+    };
+    let (windows, used) = draw.windows(&alloc, &window_lengths, nsamples, &mut rng);
+    let usage = source_usage(sources, &streams, &alloc, &used);
+    let sha256 = windows_sha256(&windows);
+    Ok(CalibSet {
+        windows,
+        usage,
+        sha256,
+    })
+}
+
+/// `text` tokenized without special tokens, refused when an id is beyond `vocab_size`; `what`
+/// names the text in messages.
+fn tokenize_checked(
+    tokenizer: &tokenizers::Tokenizer,
+    vocab_size: usize,
+    text: &str,
+    what: &str,
+) -> Result<Vec<u32>> {
+    let ids = tokenizer
+        .encode(text, false)
+        .map_err(|e| anyhow!("cannot tokenize {what}: {e}"))?
+        .get_ids()
+        .to_vec();
+    if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab_size) {
+        bail!("tokenizing {what} produced id {bad}, beyond the model's vocab_size {vocab_size}");
+    }
+    Ok(ids)
+}
+
+/// Refuses calibration data shorter than one window of the longest length, and a source that
+/// is given windows but has no tokens.
+fn check_enough_tokens(
+    sources: &[Source],
+    streams: &[Stream],
+    alloc: &[usize],
+    lengths: SeqLen,
+) -> Result<()> {
     let total_tokens: usize = streams.iter().map(|s| s.ids.len()).sum();
     if total_tokens < lengths.max() {
         match sources {
@@ -530,8 +564,8 @@ pub fn build_windows(
     }
     if let Some((src, _)) = sources
         .iter()
-        .zip(&streams)
-        .zip(&alloc)
+        .zip(streams)
+        .zip(alloc)
         .find(|((_, st), &n)| n > 0 && st.ids.is_empty())
         .map(|(x, _)| x)
     {
@@ -540,32 +574,62 @@ pub fn build_windows(
             src.name
         );
     }
-    let separator = tokenize("\n\n", "a blank line")?;
-    let window_lengths = lengths.draw(nsamples, seed);
-    let mut rng = SplitMix64::new(seed ^ 0x5EED_CA11);
-    let mut windows = Vec::with_capacity(nsamples);
-    let mut used = vec![0usize; sources.len()];
-    let mut next = 0;
-    for (si, &n) in alloc.iter().enumerate() {
-        for _ in 0..n {
-            let len = window_lengths[next];
-            next += 1;
-            let ids = &streams[si].ids;
-            if ids.len() >= len {
-                let start = rng.below(ids.len() - len + 1);
-                windows.push(ids[start..start + len].to_vec());
-                used[si] += len;
-                continue;
+    Ok(())
+}
+
+/// The token streams windows are drawn from, their weights and the tokens of a blank line.
+struct Draw<'a> {
+    streams: &'a [Stream],
+    weights: &'a [f64],
+    separator: &'a [u32],
+}
+
+impl Draw<'_> {
+    /// Draws `alloc[s]` windows from each source `s` in turn, with the lengths `window_lengths`
+    /// in order: inside the source's stream where it is long enough, else packed; returns the
+    /// windows and each source's tokens used.
+    fn windows(
+        &self,
+        alloc: &[usize],
+        window_lengths: &[usize],
+        nsamples: usize,
+        rng: &mut SplitMix64,
+    ) -> (Vec<Vec<u32>>, Vec<usize>) {
+        let (streams, weights, separator) = (self.streams, self.weights, self.separator);
+        let mut windows = Vec::with_capacity(nsamples);
+        let mut used = vec![0usize; streams.len()];
+        let mut next = 0;
+        for (si, &n) in alloc.iter().enumerate() {
+            for _ in 0..n {
+                let len = window_lengths[next];
+                next += 1;
+                let ids = &streams[si].ids;
+                if ids.len() >= len {
+                    let start = rng.below(ids.len() - len + 1);
+                    windows.push(ids[start..start + len].to_vec());
+                    used[si] += len;
+                    continue;
+                }
+                windows.push(pack_window(
+                    si, len, streams, weights, separator, rng, &mut used,
+                ));
             }
-            windows.push(pack_window(
-                si, len, &streams, &weights, &separator, &mut rng, &mut used,
-            ));
         }
+        (windows, used)
     }
-    let usage = sources
+}
+
+/// How many windows and tokens each source gave.
+fn source_usage(
+    sources: &[Source],
+    streams: &[Stream],
+    alloc: &[usize],
+    used: &[usize],
+) -> Vec<SourceUsage> {
+    sources
         .iter()
-        .zip(&streams)
-        .zip(alloc.iter().zip(&used))
+        .zip(streams)
+        .zip(alloc.iter().zip(used))
         .map(|((src, st), (&n, &u))| SourceUsage {
             name: src.name.clone(),
             weight: src.weight,
@@ -573,18 +637,18 @@ pub fn build_windows(
             windows: n,
             tokens_used: u,
         })
-        .collect();
+        .collect()
+}
+
+/// The SHA-256 of every window's ids, little-endian u32 in order.
+fn windows_sha256(windows: &[Vec<u32>]) -> String {
     let mut h = Sha256::new();
-    for w in &windows {
+    for w in windows {
         for id in w {
             h.update(id.to_le_bytes());
         }
     }
-    Ok(CalibSet {
-        windows,
-        usage,
-        sha256: crate::checkpoint::writer::hex(&h.finalize()),
-    })
+    crate::checkpoint::writer::hex(&h.finalize())
 }
 
 /// A window of `len` tokens whose source `first` is shorter than it: all of `first`, then

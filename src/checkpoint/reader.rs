@@ -381,7 +381,38 @@ type Header = (Vec<(String, TensorEntry)>, BTreeMap<String, String>);
 /// Parses and validates a safetensors header: sane length, JSON, known dtypes, data offsets that
 /// tile the data section exactly and agree with dtype x shape, and a file long enough to hold it.
 fn parse_header(buf: &[u8], path: &Path) -> Result<Header> {
-    let bad = |what: String| anyhow!("corrupt safetensors file {}: {what}", path.display());
+    let (n, header) = header_object(buf, path)?;
+    let data_len = buf.len() - 8 - n;
+    let mut metadata = BTreeMap::new();
+    let mut entries = Vec::new();
+    for (name, v) in header {
+        if name == "__metadata__" {
+            if let Some(m) = v.as_object() {
+                for (k, v) in m {
+                    metadata.insert(k.clone(), v.as_str().unwrap_or_default().to_string());
+                }
+            }
+            continue;
+        }
+        let entry = parse_entry(&name, &v, path, n, data_len)?;
+        entries.push((name, entry));
+    }
+    check_tiling(&entries, buf.len(), n, path)?;
+    Ok((entries, metadata))
+}
+
+/// The error for a corrupt safetensors file at `path`.
+fn corrupt(path: &Path, what: String) -> anyhow::Error {
+    anyhow!("corrupt safetensors file {}: {what}", path.display())
+}
+
+/// The header's length `n` (its JSON is bytes `8..8 + n`) and its JSON object, with no key
+/// given twice.
+fn header_object(
+    buf: &[u8],
+    path: &Path,
+) -> Result<(usize, serde_json::Map<String, serde_json::Value>)> {
+    let bad = |what: String| corrupt(path, what);
     if buf.len() < 8 {
         return Err(bad(format!(
             "only {} bytes, shorter than the 8-byte header length",
@@ -403,61 +434,70 @@ fn parse_header(buf: &[u8], path: &Path) -> Result<Header> {
             "the header names {k} twice (a tensor or __metadata__ key given twice is ambiguous)"
         )));
     }
-    let data_len = buf.len() - 8 - n;
-    let mut metadata = BTreeMap::new();
-    let mut entries = Vec::new();
-    for (name, v) in header {
-        if name == "__metadata__" {
-            if let Some(m) = v.as_object() {
-                for (k, v) in m {
-                    metadata.insert(k.clone(), v.as_str().unwrap_or_default().to_string());
-                }
-            }
-            continue;
-        }
-        let dtype_s = v["dtype"]
-            .as_str()
-            .ok_or_else(|| bad(format!("tensor {name} has no dtype")))?;
-        let dtype = Dtype::parse(dtype_s).ok_or_else(|| {
-            anyhow!(
-                "tensor {name} in {} has unsupported dtype {dtype_s}: expected BF16, F16 or F32 (I32/U8 for quantized data)",
-                path.display()
-            )
-        })?;
-        let shape: Vec<usize> = v["shape"]
-            .as_array()
-            .and_then(|a| a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect())
-            .ok_or_else(|| bad(format!("tensor {name} has no valid shape")))?;
-        let offs: Vec<usize> = v["data_offsets"]
-            .as_array()
-            .and_then(|a| a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect())
-            .filter(|o: &Vec<usize>| o.len() == 2)
-            .ok_or_else(|| bad(format!("tensor {name} has no valid data_offsets")))?;
-        let (s, e) = (offs[0], offs[1]);
-        let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-        let want = numel.and_then(|x| x.checked_mul(dtype.size()));
-        if s > e || Some(e - s) != want {
-            return Err(bad(format!(
-                "tensor {name}: data_offsets [{s}, {e}] do not match {dtype_s} x {shape:?}"
-            )));
-        }
-        if e > data_len {
-            return Err(anyhow!(
-                "truncated safetensors file {}: tensor {name} ends at byte {e} of the data section, which holds only {data_len} bytes",
-                path.display()
-            ));
-        }
-        entries.push((
-            name,
-            TensorEntry {
-                dtype,
-                shape,
-                shard: 0,
-                start: 8 + n + s,
-                end: 8 + n + e,
-            },
+    Ok((n, header))
+}
+
+/// One tensor's header entry `v`: its dtype, shape and data offsets, which must agree with each
+/// other and lie inside the data section of `data_len` bytes after the `n`-byte header.
+fn parse_entry(
+    name: &str,
+    v: &serde_json::Value,
+    path: &Path,
+    n: usize,
+    data_len: usize,
+) -> Result<TensorEntry> {
+    let bad = |what: String| corrupt(path, what);
+    let dtype_s = v["dtype"]
+        .as_str()
+        .ok_or_else(|| bad(format!("tensor {name} has no dtype")))?;
+    let dtype = Dtype::parse(dtype_s).ok_or_else(|| {
+        anyhow!(
+            "tensor {name} in {} has unsupported dtype {dtype_s}: expected BF16, F16 or F32 (I32/U8 for quantized data)",
+            path.display()
+        )
+    })?;
+    let shape: Vec<usize> = v["shape"]
+        .as_array()
+        .and_then(|a| a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect())
+        .ok_or_else(|| bad(format!("tensor {name} has no valid shape")))?;
+    let offs: Vec<usize> = v["data_offsets"]
+        .as_array()
+        .and_then(|a| a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect())
+        .filter(|o: &Vec<usize>| o.len() == 2)
+        .ok_or_else(|| bad(format!("tensor {name} has no valid data_offsets")))?;
+    let (s, e) = (offs[0], offs[1]);
+    let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+    let want = numel.and_then(|x| x.checked_mul(dtype.size()));
+    if s > e || Some(e - s) != want {
+        return Err(bad(format!(
+            "tensor {name}: data_offsets [{s}, {e}] do not match {dtype_s} x {shape:?}"
+        )));
+    }
+    if e > data_len {
+        return Err(anyhow!(
+            "truncated safetensors file {}: tensor {name} ends at byte {e} of the data section, which holds only {data_len} bytes",
+            path.display()
         ));
     }
+    Ok(TensorEntry {
+        dtype,
+        shape,
+        shard: 0,
+        start: 8 + n + s,
+        end: 8 + n + e,
+    })
+}
+
+/// The tensors of a file of `file_len` bytes with an `n`-byte header tile its data section
+/// exactly.
+fn check_tiling(
+    entries: &[(String, TensorEntry)],
+    file_len: usize,
+    n: usize,
+    path: &Path,
+) -> Result<()> {
+    let bad = |what: String| corrupt(path, what);
+    let data_len = file_len - 8 - n;
     // The data section must be tiled without overlap (what the safetensors crate also enforces).
     let mut spans: Vec<(usize, usize, &str)> = entries
         .iter()
@@ -475,7 +515,7 @@ fn parse_header(buf: &[u8], path: &Path) -> Result<Header> {
         }
         pos = e;
     }
-    if pos != buf.len() {
+    if pos != file_len {
         return Err(bad(format!(
             "bytes {} to {} of the data section belong to no tensor (the format forbids \
              unindexed data; truncated header or appended bytes)",
@@ -483,7 +523,7 @@ fn parse_header(buf: &[u8], path: &Path) -> Result<Header> {
             data_len
         )));
     }
-    Ok((entries, metadata))
+    Ok(())
 }
 
 /// The multi-index of flat element `i` in a row-major tensor of `shape`.

@@ -133,14 +133,59 @@ pub(super) fn solve_factored(
     }
 
     // Group parameters, [n_groups, N], when the plan fixes them before the loop.
-    let (mut scales, mut zeros) = match (whole, plan.params_at) {
+    let (scales, zeros) = match (whole, plan.params_at) {
         (Some(params), _) => params,
         (None, ParamsAt::BeforeLoop) => natural_group_params(quant, &w, k),
         (None, _) => (vec![0.0; n_groups * n], vec![0.0; n_groups * n]),
     };
 
-    let perm = &plan.perm;
-    let param_row = &plan.param_row;
+    let w = permute_columns(w, &plan.perm, n, k);
+    let (damp_used, factor_s) = (f.damp_used, f.seconds);
+
+    // The blocked column loop (docs/algorithm.md, The column loop). W becomes Q column by column.
+    let t_loop = Instant::now();
+    let mut cl = ColumnLoop {
+        n,
+        k,
+        u,
+        plan: &plan,
+        quant,
+        maxq: quant.maxq(),
+        w,
+        scales,
+        zeros,
+        codes: vec![0u8; n * k],
+        loss: 0.0f64,
+    };
+    cl.run(opts.block_size);
+    let loop_s = t_loop.elapsed().as_secs_f64();
+    let ColumnLoop {
+        w,
+        scales,
+        zeros,
+        codes,
+        loss,
+        ..
+    } = cl;
+
+    let linear = QuantizedLinear {
+        n,
+        k,
+        codes,
+        scales,
+        zeros: zeros.iter().map(|&z| z as u8).collect(),
+        g_idx: plan.g_idx.clone(),
+        loss,
+        damp_used,
+        dead_columns: f.dead.len(),
+        timings: SolveTimings { factor_s, loop_s },
+        device_codes: None,
+    };
+    Ok((linear, w, plan.perm))
+}
+
+/// W `[N, K]` with its columns in processing order: row r's position c holds `w[r][perm[c]]`.
+fn permute_columns(w: Vec<f32>, perm: &[usize], n: usize, k: usize) -> Vec<f32> {
     let mut w_perm = vec![0.0f32; n * k];
     w_perm
         .par_chunks_mut(k)
@@ -151,43 +196,80 @@ pub(super) fn solve_factored(
             }
         });
     drop(w);
-    let mut w = w_perm;
-    let (damp_used, factor_s) = (f.damp_used, f.seconds);
+    w_perm
+}
 
-    // The blocked column loop (docs/algorithm.md, The column loop). W becomes Q column by column.
-    let t_loop = Instant::now();
-    let maxq = quant.maxq();
-    let blocksize = opts.block_size;
-    let mut codes = vec![0u8; n * k];
-    let mut loss = 0.0f64;
-    let mut err1_buf = vec![0.0f32; n * blocksize];
-    let mut u1_buf = vec![0.0f32; blocksize * blocksize];
-    for i1 in (0..k).step_by(blocksize) {
-        let i2 = (i1 + blocksize).min(k);
-        let width = i2 - i1;
-        // Parameters of a group starting in this block come from W as it stands now: with the
-        // lazy updates of earlier blocks, without this block's in-block updates
-        // (docs/algorithm.md, Numerical pitfalls; as in every reference tool: exact when g is a
-        // multiple of blocksize).
-        for t in plan.groups_starting_in(i1..i2) {
-            let (s, z) = quant.find_params(&w, k, plan.group_cols(t));
-            scales[t * n..(t + 1) * n].copy_from_slice(&s);
-            zeros[t * n..(t + 1) * n].copy_from_slice(&z);
+/// The state of the blocked column loop: W (processing order) turning into Q, the group
+/// parameters, the codes (original column order) and the summed loss.
+struct ColumnLoop<'a> {
+    n: usize,
+    k: usize,
+    /// The upper Cholesky factor of H⁻¹, column-major `[K, K]`.
+    u: &'a [f32],
+    plan: &'a SolvePlan,
+    quant: &'a QuantParams,
+    maxq: f32,
+    w: Vec<f32>,
+    scales: Vec<f32>,
+    zeros: Vec<f32>,
+    codes: Vec<u8>,
+    loss: f64,
+}
+
+impl ColumnLoop<'_> {
+    /// Runs the loop over blocks `[i1, i2)` of `blocksize` columns.
+    fn run(&mut self, blocksize: usize) {
+        let (n, k) = (self.n, self.k);
+        let mut err1_buf = vec![0.0f32; n * blocksize];
+        let mut u1_buf = vec![0.0f32; blocksize * blocksize];
+        for i1 in (0..k).step_by(blocksize) {
+            let i2 = (i1 + blocksize).min(k);
+            let width = i2 - i1;
+            self.block_group_params(i1, i2);
+            let u1 = &mut u1_buf[..width * width];
+            self.copy_u1(u1, i1, width);
+            let err1 = &mut err1_buf[..n * width];
+            self.loss += self.quantize_block(u1, err1, i1, i2);
+            if i2 < k {
+                self.lazy_update(err1, i1, i2);
+            }
         }
-        // U1 = U[i1:i2, i1:i2] row-major, so each row's in-block update reads contiguous memory.
-        let u1 = &mut u1_buf[..width * width];
+    }
+
+    /// Parameters of a group starting in this block come from W as it stands now: with the
+    /// lazy updates of earlier blocks, without this block's in-block updates
+    /// (docs/algorithm.md, Numerical pitfalls; as in every reference tool: exact when g is a
+    /// multiple of blocksize).
+    fn block_group_params(&mut self, i1: usize, i2: usize) {
+        let (n, k) = (self.n, self.k);
+        for t in self.plan.groups_starting_in(i1..i2) {
+            let (s, z) = self.quant.find_params(&self.w, k, self.plan.group_cols(t));
+            self.scales[t * n..(t + 1) * n].copy_from_slice(&s);
+            self.zeros[t * n..(t + 1) * n].copy_from_slice(&z);
+        }
+    }
+
+    /// U1 = U[i1:i2, i1:i2] row-major, so each row's in-block update reads contiguous memory.
+    fn copy_u1(&self, u1: &mut [f32], i1: usize, width: usize) {
+        let (u, k) = (self.u, self.k);
         for (i, u1_row) in u1.chunks_mut(width).enumerate() {
             for (j, v) in u1_row.iter_mut().enumerate() {
                 *v = u[(i1 + j) * k + i1 + i];
             }
         }
-        let u1 = &*u1;
-        let err1 = &mut err1_buf[..n * width];
-        let (scales, zeros) = (&scales, &zeros);
-        loss += w
+    }
+
+    /// Quantizes columns `[i1, i2)` of every row with the in-block error feedback, writing each
+    /// row's scaled errors to `err1` (`[N, i2 - i1]`); returns the block's loss.
+    fn quantize_block(&mut self, u1: &[f32], err1: &mut [f32], i1: usize, i2: usize) -> f64 {
+        let (n, k, maxq) = (self.n, self.k, self.maxq);
+        let width = i2 - i1;
+        let (perm, param_row) = (&self.plan.perm, &self.plan.param_row);
+        let (scales, zeros) = (&self.scales, &self.zeros);
+        self.w
             .par_chunks_mut(k)
             .zip(err1.par_chunks_mut(width))
-            .zip(codes.par_chunks_mut(k))
+            .zip(self.codes.par_chunks_mut(k))
             .enumerate()
             .map(|(row, ((w, err_row), codes))| {
                 let mut loss = 0.0f64;
@@ -215,32 +297,18 @@ pub(super) fn solve_factored(
             // how the rows were scheduled.
             .collect::<Vec<f64>>()
             .iter()
-            .sum::<f64>();
-        if i2 < k {
-            // W[:, i2:] -= Err1 @ U[i1:i2, i2:]
-            let w_rest = row_major_mut(&mut w[i2..], n, k - i2, k);
-            let err1 = MatRef::from_row_major_slice(&*err1, n, width);
-            let u12 =
-                MatRef::from_column_major_slice_with_stride(&u[i2 * k + i1..], width, k - i2, k);
-            matmul(w_rest, Accum::Add, err1, u12, -1.0f32, Par::rayon(0));
-        }
+            .sum::<f64>()
     }
-    let loop_s = t_loop.elapsed().as_secs_f64();
 
-    let linear = QuantizedLinear {
-        n,
-        k,
-        codes,
-        scales,
-        zeros: zeros.iter().map(|&z| z as u8).collect(),
-        g_idx: plan.g_idx.clone(),
-        loss,
-        damp_used,
-        dead_columns: f.dead.len(),
-        timings: SolveTimings { factor_s, loop_s },
-        device_codes: None,
-    };
-    Ok((linear, w, plan.perm))
+    /// W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+    fn lazy_update(&mut self, err1: &[f32], i1: usize, i2: usize) {
+        let (n, k, u) = (self.n, self.k, self.u);
+        let width = i2 - i1;
+        let w_rest = row_major_mut(&mut self.w[i2..], n, k - i2, k);
+        let err1 = MatRef::from_row_major_slice(err1, n, width);
+        let u12 = MatRef::from_column_major_slice_with_stride(&u[i2 * k + i1..], width, k - i2, k);
+        matmul(w_rest, Accum::Add, err1, u12, -1.0f32, Par::rayon(0));
+    }
 }
 
 /// Scale/zero of each natural group `[t·g, (t+1)·g)`, `[n_groups, N]`.

@@ -44,83 +44,9 @@ pub fn refit_scales(q: &mut QuantizedLinear, w: &Tensor, h: &Tensor) -> Result<R
         h.dims()
     );
     let dev = h.device().clone();
-    // Columns sorted by group (stable), so that every group is a contiguous run.
-    let mut order: Vec<usize> = (0..k).collect();
-    order.sort_by_key(|&c| q.g_idx[c]);
-    let mut bounds = vec![0usize; groups + 1];
-    for &c in &order {
-        bounds[q.g_idx[c] as usize + 1] += 1;
-    }
-    for g in 0..groups {
-        bounds[g + 1] += bounds[g];
-    }
-    // Codes minus zero points, `[N, K]` in sorted column order: q = scale · c.
-    let mut c = vec![0f32; n * k];
-    c.par_chunks_mut(k).enumerate().for_each(|(r, row)| {
-        for (j, v) in row.iter_mut().enumerate() {
-            let col = order[j];
-            let g = q.g_idx[col] as usize;
-            *v = q.codes[r * k + col] as f32 - q.zeros[g * n + r] as f32;
-        }
-    });
-    let idx = Tensor::from_vec(order.iter().map(|&c| c as u32).collect(), k, &dev)?;
-    let cs = Tensor::from_vec(c, (n, k), &Device::Cpu)?.to_device(&dev)?;
-    let ws = w
-        .to_dtype(DType::F32)?
-        .to_device(&dev)?
-        .index_select(&idx, 1)?;
-    let hs = h
-        .to_dtype(DType::F32)?
-        .index_select(&idx, 0)?
-        .index_select(&idx, 1)?;
-    // Σ over the columns of each group of `m` (`[N, K]` sorted) → `[N, G]`.
-    let group_sums = |m: &Tensor| -> Result<Tensor> {
-        let cols: Vec<Tensor> = (0..groups)
-            .map(|g| {
-                m.narrow(1, bounds[g], bounds[g + 1] - bounds[g])?
-                    .sum_keepdim(1)
-            })
-            .collect::<candle_core::Result<_>>()?;
-        Ok(Tensor::cat(&cols, 1)?)
-    };
-    // b[r][g] = Σ_{i∈g} c[r][i]·(w·H)[r][i]; A[r][g][h] = Σ_{i∈g} c[r][i]·(c_h·H_h)[r][i].
-    let b = group_sums(&(&cs * ws.matmul(&hs)?)?)?;
-    let mut a_cols = Vec::with_capacity(groups);
-    for g in 0..groups {
-        let (lo, len) = (bounds[g], bounds[g + 1] - bounds[g]);
-        // The GPU's matmul takes contiguous operands only: the column block is copied out.
-        let t = cs
-            .narrow(1, lo, len)?
-            .contiguous()?
-            .matmul(&hs.narrow(0, lo, len)?.contiguous()?)?;
-        a_cols.push(group_sums(&(&cs * t)?)?);
-    }
-    let a = Tensor::stack(&a_cols, 2)?; // [N, G(row), G(col)]
-    let a = a.to_dtype(DType::F64)?.to_device(&Device::Cpu)?;
-    let b = b.to_dtype(DType::F64)?.to_device(&Device::Cpu)?;
-    let a = a.flatten_all()?.to_vec1::<f64>()?;
-    let b = b.flatten_all()?.to_vec1::<f64>()?;
-    // The error of a row up to its constant `w·H·wᵀ`: sᵀAs − 2bᵀs.
-    let err = |a: &[f64], b: &[f64], s: &[f64]| -> f64 {
-        let mut e = 0.0;
-        for i in 0..groups {
-            let mut row = 0.0;
-            for j in 0..groups {
-                row += a[i * groups + j] * s[j];
-            }
-            e += s[i] * row - 2.0 * b[i] * s[i];
-        }
-        e
-    };
-    let wh = w
-        .to_dtype(DType::F32)?
-        .to_device(&dev)?
-        .matmul(&h.to_dtype(DType::F32)?)?;
-    let whw = (wh * w.to_dtype(DType::F32)?.to_device(&dev)?)?
-        .sum(D::Minus1)?
-        .to_dtype(DType::F64)?
-        .to_device(&Device::Cpu)?
-        .to_vec1::<f64>()?;
+    let (order, bounds) = group_order(q, groups);
+    let (a, b) = normal_equations(q, w, h, &order, &bounds, &dev)?;
+    let whw = row_constants(w, h, &dev)?;
     let old: Vec<Vec<f64>> = (0..n)
         .map(|r| {
             (0..groups)
@@ -133,26 +59,7 @@ pub fn refit_scales(q: &mut QuantizedLinear, w: &Tensor, h: &Tensor) -> Result<R
         .map(|r| {
             let ar = &a[r * groups * groups..(r + 1) * groups * groups];
             let br = &b[r * groups..(r + 1) * groups];
-            let before = err(ar, br, &old[r]);
-            let Some(s) = solve_ridge(ar, br, &old[r], groups) else {
-                return (None, before, before);
-            };
-            let stored: Vec<f64> = s.iter().map(|&v| f16::from_f64(v).to_f64()).collect();
-            let ok = stored.iter().all(|v| v.is_finite() && *v > 0.0);
-            let after = if ok {
-                err(ar, br, &stored)
-            } else {
-                f64::INFINITY
-            };
-            if after < before {
-                (
-                    Some(stored.iter().map(|&v| v as f32).collect()),
-                    before,
-                    after,
-                )
-            } else {
-                (None, before, before)
-            }
+            refit_row(ar, br, &old[r], groups)
         })
         .collect();
     let mut stats = RefitStats::default();
@@ -167,6 +74,136 @@ pub fn refit_scales(q: &mut QuantizedLinear, w: &Tensor, h: &Tensor) -> Result<R
         }
     }
     Ok(stats)
+}
+
+/// The columns sorted by group (stable), so that every group is a contiguous run, and the
+/// runs' bounds: group `g` is sorted positions `[bounds[g], bounds[g + 1])`.
+fn group_order(q: &QuantizedLinear, groups: usize) -> (Vec<usize>, Vec<usize>) {
+    // Columns sorted by group (stable), so that every group is a contiguous run.
+    let mut order: Vec<usize> = (0..q.k).collect();
+    order.sort_by_key(|&c| q.g_idx[c]);
+    let mut bounds = vec![0usize; groups + 1];
+    for &c in &order {
+        bounds[q.g_idx[c] as usize + 1] += 1;
+    }
+    for g in 0..groups {
+        bounds[g + 1] += bounds[g];
+    }
+    (order, bounds)
+}
+
+/// The normal equations of every row, on the CPU in f64: `A` (`[N, G, G]`) and `b` (`[N, G]`),
+/// computed on the Hessian's device from the codes, weights and Hessian in sorted column order.
+fn normal_equations(
+    q: &QuantizedLinear,
+    w: &Tensor,
+    h: &Tensor,
+    order: &[usize],
+    bounds: &[usize],
+    dev: &Device,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let (n, k) = (q.n, q.k);
+    let groups = bounds.len() - 1;
+    // Codes minus zero points, `[N, K]` in sorted column order: q = scale · c.
+    let mut c = vec![0f32; n * k];
+    c.par_chunks_mut(k).enumerate().for_each(|(r, row)| {
+        for (j, v) in row.iter_mut().enumerate() {
+            let col = order[j];
+            let g = q.g_idx[col] as usize;
+            *v = q.codes[r * k + col] as f32 - q.zeros[g * n + r] as f32;
+        }
+    });
+    let idx = Tensor::from_vec(order.iter().map(|&c| c as u32).collect(), k, dev)?;
+    let cs = Tensor::from_vec(c, (n, k), &Device::Cpu)?.to_device(dev)?;
+    let ws = w
+        .to_dtype(DType::F32)?
+        .to_device(dev)?
+        .index_select(&idx, 1)?;
+    let hs = h
+        .to_dtype(DType::F32)?
+        .index_select(&idx, 0)?
+        .index_select(&idx, 1)?;
+    // b[r][g] = Σ_{i∈g} c[r][i]·(w·H)[r][i]; A[r][g][h] = Σ_{i∈g} c[r][i]·(c_h·H_h)[r][i].
+    let b = group_sums(&(&cs * ws.matmul(&hs)?)?, bounds)?;
+    let mut a_cols = Vec::with_capacity(groups);
+    for g in 0..groups {
+        let (lo, len) = (bounds[g], bounds[g + 1] - bounds[g]);
+        // The GPU's matmul takes contiguous operands only: the column block is copied out.
+        let t = cs
+            .narrow(1, lo, len)?
+            .contiguous()?
+            .matmul(&hs.narrow(0, lo, len)?.contiguous()?)?;
+        a_cols.push(group_sums(&(&cs * t)?, bounds)?);
+    }
+    let a = Tensor::stack(&a_cols, 2)?; // [N, G(row), G(col)]
+    let a = a.to_dtype(DType::F64)?.to_device(&Device::Cpu)?;
+    let b = b.to_dtype(DType::F64)?.to_device(&Device::Cpu)?;
+    let a = a.flatten_all()?.to_vec1::<f64>()?;
+    let b = b.flatten_all()?.to_vec1::<f64>()?;
+    Ok((a, b))
+}
+
+/// Σ over the columns of each group of `m` (`[N, K]` sorted) → `[N, G]`.
+fn group_sums(m: &Tensor, bounds: &[usize]) -> Result<Tensor> {
+    let groups = bounds.len() - 1;
+    let cols: Vec<Tensor> = (0..groups)
+        .map(|g| {
+            m.narrow(1, bounds[g], bounds[g + 1] - bounds[g])?
+                .sum_keepdim(1)
+        })
+        .collect::<candle_core::Result<_>>()?;
+    Ok(Tensor::cat(&cols, 1)?)
+}
+
+/// Each row's constant `w·H·wᵀ`, in f64 on the CPU.
+fn row_constants(w: &Tensor, h: &Tensor, dev: &Device) -> Result<Vec<f64>> {
+    let wh = w
+        .to_dtype(DType::F32)?
+        .to_device(dev)?
+        .matmul(&h.to_dtype(DType::F32)?)?;
+    Ok((wh * w.to_dtype(DType::F32)?.to_device(dev)?)?
+        .sum(D::Minus1)?
+        .to_dtype(DType::F64)?
+        .to_device(&Device::Cpu)?
+        .to_vec1::<f64>()?)
+}
+
+/// The error of a row up to its constant `w·H·wᵀ`: sᵀAs − 2bᵀs.
+fn row_error(a: &[f64], b: &[f64], s: &[f64], groups: usize) -> f64 {
+    let mut e = 0.0;
+    for i in 0..groups {
+        let mut row = 0.0;
+        for j in 0..groups {
+            row += a[i * groups + j] * s[j];
+        }
+        e += s[i] * row - 2.0 * b[i] * s[i];
+    }
+    e
+}
+
+/// One row's refit: the new scales as stored (fp16-rounded) when they lower the row's error,
+/// and the error before and after (both the old error when the row keeps its scales).
+fn refit_row(ar: &[f64], br: &[f64], old: &[f64], groups: usize) -> (Option<Vec<f32>>, f64, f64) {
+    let before = row_error(ar, br, old, groups);
+    let Some(s) = solve_ridge(ar, br, old, groups) else {
+        return (None, before, before);
+    };
+    let stored: Vec<f64> = s.iter().map(|&v| f16::from_f64(v).to_f64()).collect();
+    let ok = stored.iter().all(|v| v.is_finite() && *v > 0.0);
+    let after = if ok {
+        row_error(ar, br, &stored, groups)
+    } else {
+        f64::INFINITY
+    };
+    if after < before {
+        (
+            Some(stored.iter().map(|&v| v as f32).collect()),
+            before,
+            after,
+        )
+    } else {
+        (None, before, before)
+    }
 }
 
 /// Solves `(A + λ·D)·s = b + λ·D·s_old` (`D` the diagonal of `A`, floored) by Cholesky in f64;

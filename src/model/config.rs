@@ -159,6 +159,15 @@ impl Config {
 
     /// Rejects configs that the forward pass cannot honour, with the key at fault in the message.
     pub fn validate(&self) -> Result<()> {
+        self.validate_supported()?;
+        self.validate_dimensions()?;
+        self.validate_head_layout()?;
+        self.validate_lightning_matches_official()?;
+        self.validate_scalars()
+    }
+
+    /// The architecture, the mixer types and the switches this tool supports.
+    fn validate_supported(&self) -> Result<()> {
         if !self
             .architectures
             .iter()
@@ -196,6 +205,11 @@ impl Config {
         if self.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
             bail!("rope_scaling is set: only rope_scaling = null is supported");
         }
+        Ok(())
+    }
+
+    /// Every size is nonzero and a dimension the tool can take.
+    fn validate_dimensions(&self) -> Result<()> {
         let nonzero = [
             ("hidden_size", self.hidden_size),
             ("intermediate_size", self.intermediate_size),
@@ -214,6 +228,11 @@ impl Config {
             }
             crate::model::check_dimension(name, v)?;
         }
+        Ok(())
+    }
+
+    /// The head counts and widths divide as attention and RoPE need.
+    fn validate_head_layout(&self) -> Result<()> {
         if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             bail!(
                 "hidden_size {} is not divisible by num_attention_heads {}",
@@ -254,6 +273,11 @@ impl Config {
                 self.lightning_head_dim
             );
         }
+        Ok(())
+    }
+
+    /// The lightning keys agree with the keys the official code builds the lightning layers from.
+    fn validate_lightning_matches_official(&self) -> Result<()> {
         // The official code builds the lightning layers from num_attention_heads and head_dim
         // and never reads lightning_nh / lightning_head_dim: a config where they differ is a
         // model it computes differently from what the keys say.
@@ -279,6 +303,11 @@ impl Config {
                 );
             }
         }
+        Ok(())
+    }
+
+    /// The lightning scale, the scaling factors, the norm epsilon and the RoPE base.
+    fn validate_scalars(&self) -> Result<()> {
         self.lightning_scale_value()?;
         if !(self.dim_model_base > 0.0
             && self.scale_emb.is_finite()

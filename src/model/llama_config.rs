@@ -223,94 +223,14 @@ impl LlamaConfig {
 
     pub fn from_value(raw: serde_json::Value) -> Result<Self> {
         let r: RawConfig = serde_json::from_value(raw.clone())?;
-        let family = r
-            .architectures
-            .iter()
-            .find_map(|a| Family::from_architecture(a))
-            .with_context(|| {
-                format!(
-                    "architectures is {:?}: not one of the dense families {}",
-                    r.architectures,
-                    Family::ALL.map(|f| f.architecture()).join(", ")
-                )
-            })?;
-        let nonzero = [
-            ("hidden_size", r.hidden_size),
-            ("intermediate_size", r.intermediate_size),
-            ("num_hidden_layers", r.num_hidden_layers),
-            ("num_attention_heads", r.num_attention_heads),
-            ("vocab_size", r.vocab_size),
-            ("max_position_embeddings", r.max_position_embeddings),
-        ];
-        for (name, v) in nonzero {
-            if v == 0 {
-                bail!("{name} is 0");
-            }
-            crate::model::check_dimension(name, v)?;
-        }
-        let act = r.hidden_act.as_deref().unwrap_or("silu");
-        if act != "silu" {
-            bail!("hidden_act is {act:?}: only \"silu\" is supported");
-        }
+        let family = family_of(&r)?;
+        check_sizes(&r)?;
         let heads = r.num_attention_heads;
-        let kv_heads = r.num_key_value_heads.unwrap_or(heads);
-        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-            bail!(
-                "num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
-            );
-        }
-        let head_dim = match r.head_dim {
-            Some(d) => d,
-            None => {
-                if !r.hidden_size.is_multiple_of(heads) {
-                    bail!(
-                        "hidden_size {} is not divisible by num_attention_heads {heads} (and config.json has no head_dim)",
-                        r.hidden_size
-                    );
-                }
-                r.hidden_size / heads
-            }
-        };
-        if head_dim == 0 || head_dim % 2 != 0 {
-            bail!("head_dim {head_dim} must be even and positive for RoPE");
-        }
-        if r.partial_rotary_factor.is_some_and(|f| f != 1.0) {
-            bail!("partial_rotary_factor is set: only RoPE over the whole head is supported");
-        }
-        let rope_theta = r.rope_theta.unwrap_or(10000.0);
-        if !(r.rms_norm_eps > 0.0 && rope_theta > 0.0) {
-            bail!("rms_norm_eps and rope_theta must be positive");
-        }
-        let rope_scaling = RopeScaling::parse(r.rope_scaling.as_ref())?;
-        let (qkv_bias, o_bias, mlp_bias) = match family {
-            Family::Qwen2 => (true, false, false),
-            Family::Mistral => (false, false, false),
-            Family::Llama => (r.attention_bias, r.attention_bias, r.mlp_bias),
-            Family::MiniCpm => (r.attention_bias, r.attention_bias, false),
-        };
-        let sliding_window = match family {
-            Family::Mistral => r.sliding_window,
-            Family::Qwen2 if r.use_sliding_window == Some(true) => r.sliding_window,
-            _ => None,
-        };
-        let (scale_emb, residual_scale, logit_divisor) = if family == Family::MiniCpm {
-            let need = |k: &str, v: Option<f64>| {
-                v.with_context(|| format!("MiniCPMForCausalLM needs {k} in config.json"))
-            };
-            let se = need("scale_emb", r.scale_emb)?;
-            let sd = need("scale_depth", r.scale_depth)?;
-            let dmb = need("dim_model_base", r.dim_model_base)?;
-            if !(dmb > 0.0 && se.is_finite() && sd.is_finite()) {
-                bail!("dim_model_base must be positive and scale_emb / scale_depth finite");
-            }
-            (
-                se,
-                sd / (r.num_hidden_layers as f64).sqrt(),
-                r.hidden_size as f64 / dmb,
-            )
-        } else {
-            (1.0, 1.0, 1.0)
-        };
+        let (kv_heads, head_dim) = head_layout(&r)?;
+        let (rope_theta, rope_scaling) = rope(&r)?;
+        let (qkv_bias, o_bias, mlp_bias) = biases(family, &r);
+        let sliding_window = sliding_window_of(family, &r);
+        let (scale_emb, residual_scale, logit_divisor) = minicpm_scales(family, &r)?;
         Ok(Self {
             family,
             hidden_size: r.hidden_size,
@@ -410,6 +330,121 @@ impl LlamaConfig {
         t.extend(self.layer_linears(i).iter().flat_map(LinearSpec::tensors));
         t
     }
+}
+
+/// The dense family named in `architectures`.
+fn family_of(r: &RawConfig) -> Result<Family> {
+    r.architectures
+        .iter()
+        .find_map(|a| Family::from_architecture(a))
+        .with_context(|| {
+            format!(
+                "architectures is {:?}: not one of the dense families {}",
+                r.architectures,
+                Family::ALL.map(|f| f.architecture()).join(", ")
+            )
+        })
+}
+
+/// Every size is nonzero and a dimension the tool can take; the activation is SiLU.
+fn check_sizes(r: &RawConfig) -> Result<()> {
+    let nonzero = [
+        ("hidden_size", r.hidden_size),
+        ("intermediate_size", r.intermediate_size),
+        ("num_hidden_layers", r.num_hidden_layers),
+        ("num_attention_heads", r.num_attention_heads),
+        ("vocab_size", r.vocab_size),
+        ("max_position_embeddings", r.max_position_embeddings),
+    ];
+    for (name, v) in nonzero {
+        if v == 0 {
+            bail!("{name} is 0");
+        }
+        crate::model::check_dimension(name, v)?;
+    }
+    let act = r.hidden_act.as_deref().unwrap_or("silu");
+    if act != "silu" {
+        bail!("hidden_act is {act:?}: only \"silu\" is supported");
+    }
+    Ok(())
+}
+
+/// The key/value head count and the head width, checked for grouped-query attention and RoPE.
+fn head_layout(r: &RawConfig) -> Result<(usize, usize)> {
+    let heads = r.num_attention_heads;
+    let kv_heads = r.num_key_value_heads.unwrap_or(heads);
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+        bail!("num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}");
+    }
+    let head_dim = match r.head_dim {
+        Some(d) => d,
+        None => {
+            if !r.hidden_size.is_multiple_of(heads) {
+                bail!(
+                        "hidden_size {} is not divisible by num_attention_heads {heads} (and config.json has no head_dim)",
+                        r.hidden_size
+                    );
+            }
+            r.hidden_size / heads
+        }
+    };
+    if head_dim == 0 || head_dim % 2 != 0 {
+        bail!("head_dim {head_dim} must be even and positive for RoPE");
+    }
+    if r.partial_rotary_factor.is_some_and(|f| f != 1.0) {
+        bail!("partial_rotary_factor is set: only RoPE over the whole head is supported");
+    }
+    Ok((kv_heads, head_dim))
+}
+
+/// The RoPE base (10000 when absent) and scaling, with the norm epsilon checked beside the base.
+fn rope(r: &RawConfig) -> Result<(f64, RopeScaling)> {
+    let rope_theta = r.rope_theta.unwrap_or(10000.0);
+    if !(r.rms_norm_eps > 0.0 && rope_theta > 0.0) {
+        bail!("rms_norm_eps and rope_theta must be positive");
+    }
+    Ok((rope_theta, RopeScaling::parse(r.rope_scaling.as_ref())?))
+}
+
+/// The (q/k/v, o, MLP) biases of the family.
+fn biases(family: Family, r: &RawConfig) -> (bool, bool, bool) {
+    match family {
+        Family::Qwen2 => (true, false, false),
+        Family::Mistral => (false, false, false),
+        Family::Llama => (r.attention_bias, r.attention_bias, r.mlp_bias),
+        Family::MiniCpm => (r.attention_bias, r.attention_bias, false),
+    }
+}
+
+/// The sliding-window length, for the families that honour one.
+fn sliding_window_of(family: Family, r: &RawConfig) -> Option<usize> {
+    match family {
+        Family::Mistral => r.sliding_window,
+        Family::Qwen2 if r.use_sliding_window == Some(true) => r.sliding_window,
+        _ => None,
+    }
+}
+
+/// MiniCPM's embedding scale, residual scale and logit divisor (all 1 for the other families).
+fn minicpm_scales(family: Family, r: &RawConfig) -> Result<(f64, f64, f64)> {
+    Ok(if family == Family::MiniCpm {
+        let need = |k: &str, v: Option<f64>| {
+            v.with_context(|| format!("MiniCPMForCausalLM needs {k} in config.json"))
+        };
+        let se = need("scale_emb", r.scale_emb)?;
+        let sd = need("scale_depth", r.scale_depth)?;
+        let dmb = need("dim_model_base", r.dim_model_base)?;
+        if !(dmb > 0.0 && se.is_finite() && sd.is_finite()) {
+            bail!("dim_model_base must be positive and scale_emb / scale_depth finite");
+        }
+        (
+            se,
+            sd / (r.num_hidden_layers as f64).sqrt(),
+            r.hidden_size as f64 / dmb,
+        )
+    } else {
+        (1.0, 1.0, 1.0)
+    })
 }
 
 #[cfg(test)]

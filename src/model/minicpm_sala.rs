@@ -111,89 +111,24 @@ impl DecoderLayer {
         i: usize,
         get: &dyn Fn(&str) -> Result<Tensor>,
     ) -> Result<Self> {
-        let p = format!("model.layers.{i}.");
-        let t = |name: &str| get(&format!("{p}{name}"));
-        let lin = |name: &str| -> Result<Linear> {
-            Ok(Linear {
-                weight: t(&format!("{name}.weight"))?,
-            })
+        let lt = LayerTensors {
+            prefix: format!("model.layers.{i}."),
+            get,
         };
         let kind = cfg.mixer(i);
         let (mixer, consts) = match kind {
-            MixerKind::Sparse => (
-                Mixer::Sparse {
-                    q: lin("self_attn.q_proj")?,
-                    k: lin("self_attn.k_proj")?,
-                    v: lin("self_attn.v_proj")?,
-                    o: lin("self_attn.o_proj")?,
-                    gate: cfg
-                        .attn_use_output_gate
-                        .then(|| lin("self_attn.o_gate"))
-                        .transpose()?,
-                },
-                LayerConsts {
-                    eps: cfg.rms_norm_eps,
-                    residual: cfg.residual_scale(),
-                    heads: cfg.num_attention_heads,
-                    kv_heads: cfg.num_key_value_heads,
-                    head_dim: cfg.sparse_head_dim(),
-                    use_rope: cfg.attn_use_rope,
-                    rope_theta: cfg.rope_theta,
-                    gla_scale: 0.0,
-                    gammas: vec![],
-                    sparse_attention: cfg.sparse_attention,
-                    dense_len: cfg.sparse_config.dense_len,
-                    infllm: cfg.infllm().ok(),
-                },
-            ),
-            MixerKind::Lightning => (
-                Mixer::Lightning {
-                    q: lin("self_attn.q_proj")?,
-                    k: lin("self_attn.k_proj")?,
-                    v: lin("self_attn.v_proj")?,
-                    o: lin("self_attn.o_proj")?,
-                    z: cfg
-                        .use_output_gate
-                        .then(|| lin("self_attn.z_proj"))
-                        .transpose()?,
-                    q_norm: cfg
-                        .qk_norm
-                        .then(|| t("self_attn.q_norm.weight"))
-                        .transpose()?,
-                    k_norm: cfg
-                        .qk_norm
-                        .then(|| t("self_attn.k_norm.weight"))
-                        .transpose()?,
-                    o_norm: cfg
-                        .use_output_norm
-                        .then(|| t("self_attn.o_norm.weight"))
-                        .transpose()?,
-                },
-                LayerConsts {
-                    eps: cfg.rms_norm_eps,
-                    residual: cfg.residual_scale(),
-                    heads: cfg.lightning_nh,
-                    kv_heads: cfg.lightning_nkv,
-                    head_dim: cfg.lightning_head_dim,
-                    use_rope: cfg.lightning_use_rope,
-                    rope_theta: cfg.rope_theta,
-                    gla_scale: cfg.lightning_scale_value()?,
-                    gammas: gla::decays(cfg.lightning_nh),
-                    sparse_attention: cfg.sparse_attention,
-                    dense_len: cfg.sparse_config.dense_len,
-                    infllm: None,
-                },
-            ),
+            MixerKind::Sparse => (sparse_mixer(cfg, &lt)?, sparse_consts(cfg)),
+            MixerKind::Lightning => (lightning_mixer(cfg, &lt)?, lightning_consts(cfg)?),
         };
         Ok(Self {
             index: i,
             kind,
-            input_norm: t("input_layernorm.weight")?,
-            post_norm: t("post_attention_layernorm.weight")?,
+            input_norm: lt.t("input_layernorm.weight")?,
+            post_norm: lt.t("post_attention_layernorm.weight")?,
             mixer,
-            gate_proj: lin("mlp.gate_proj")?,
-            up_proj: lin("mlp.up_proj")?,
-            down_proj: lin("mlp.down_proj")?,
+            gate_proj: lt.lin("mlp.gate_proj")?,
+            up_proj: lt.lin("mlp.up_proj")?,
+            down_proj: lt.lin("mlp.down_proj")?,
             differentiable: false,
             cfg: consts,
         })
@@ -345,6 +280,103 @@ impl DecoderLayer {
     pub fn mlp_residual(&self, h: &Tensor, act: &Tensor) -> Result<Tensor> {
         Ok((h + (self.down_proj.forward(act)? * self.cfg.residual)?)?)
     }
+}
+
+/// One layer's tensors, fetched by their names relative to the layer (`prefix` is
+/// `model.layers.{i}.`).
+struct LayerTensors<'a> {
+    prefix: String,
+    get: &'a dyn Fn(&str) -> Result<Tensor>,
+}
+
+impl LayerTensors<'_> {
+    /// The tensor `name` of the layer.
+    fn t(&self, name: &str) -> Result<Tensor> {
+        (self.get)(&format!("{}{name}", self.prefix))
+    }
+
+    /// The Linear `name` of the layer (its `{name}.weight`).
+    fn lin(&self, name: &str) -> Result<Linear> {
+        Ok(Linear {
+            weight: self.t(&format!("{name}.weight"))?,
+        })
+    }
+}
+
+/// The mixer of a sparse (InfLLM-v2 attention) layer.
+fn sparse_mixer(cfg: &Config, lt: &LayerTensors) -> Result<Mixer> {
+    Ok(Mixer::Sparse {
+        q: lt.lin("self_attn.q_proj")?,
+        k: lt.lin("self_attn.k_proj")?,
+        v: lt.lin("self_attn.v_proj")?,
+        o: lt.lin("self_attn.o_proj")?,
+        gate: cfg
+            .attn_use_output_gate
+            .then(|| lt.lin("self_attn.o_gate"))
+            .transpose()?,
+    })
+}
+
+/// The constants of a sparse layer.
+fn sparse_consts(cfg: &Config) -> LayerConsts {
+    LayerConsts {
+        eps: cfg.rms_norm_eps,
+        residual: cfg.residual_scale(),
+        heads: cfg.num_attention_heads,
+        kv_heads: cfg.num_key_value_heads,
+        head_dim: cfg.sparse_head_dim(),
+        use_rope: cfg.attn_use_rope,
+        rope_theta: cfg.rope_theta,
+        gla_scale: 0.0,
+        gammas: vec![],
+        sparse_attention: cfg.sparse_attention,
+        dense_len: cfg.sparse_config.dense_len,
+        infllm: cfg.infllm().ok(),
+    }
+}
+
+/// The mixer of a lightning (Simple-GLA) layer.
+fn lightning_mixer(cfg: &Config, lt: &LayerTensors) -> Result<Mixer> {
+    Ok(Mixer::Lightning {
+        q: lt.lin("self_attn.q_proj")?,
+        k: lt.lin("self_attn.k_proj")?,
+        v: lt.lin("self_attn.v_proj")?,
+        o: lt.lin("self_attn.o_proj")?,
+        z: cfg
+            .use_output_gate
+            .then(|| lt.lin("self_attn.z_proj"))
+            .transpose()?,
+        q_norm: cfg
+            .qk_norm
+            .then(|| lt.t("self_attn.q_norm.weight"))
+            .transpose()?,
+        k_norm: cfg
+            .qk_norm
+            .then(|| lt.t("self_attn.k_norm.weight"))
+            .transpose()?,
+        o_norm: cfg
+            .use_output_norm
+            .then(|| lt.t("self_attn.o_norm.weight"))
+            .transpose()?,
+    })
+}
+
+/// The constants of a lightning layer.
+fn lightning_consts(cfg: &Config) -> Result<LayerConsts> {
+    Ok(LayerConsts {
+        eps: cfg.rms_norm_eps,
+        residual: cfg.residual_scale(),
+        heads: cfg.lightning_nh,
+        kv_heads: cfg.lightning_nkv,
+        head_dim: cfg.lightning_head_dim,
+        use_rope: cfg.lightning_use_rope,
+        rope_theta: cfg.rope_theta,
+        gla_scale: cfg.lightning_scale_value()?,
+        gammas: gla::decays(cfg.lightning_nh),
+        sparse_attention: cfg.sparse_attention,
+        dense_len: cfg.sparse_config.dense_len,
+        infllm: None,
+    })
 }
 
 /// Dense causal GQA attention of a sparse layer: `q` `[B, T, H, D]`, `k`, `v` `[B, T, KV, D]`

@@ -208,25 +208,7 @@ impl Plan {
                 let plan = if skips.iter().any(|r| r.is_match(&full)) {
                     ModulePlan::Keep
                 } else {
-                    let eng = engine_name(&full);
-                    let (own, by_own) = by_rules(rules, &full, default)?;
-                    let (engine, by_eng) = by_rules(rules, &eng, default)?;
-                    if own != engine {
-                        bail!(
-                            "--plan: {full} gets {} by its own name ({}) but {} by the \
-                             name SGLang and vLLM match rules against, {eng} ({}); write \
-                             the rule so that it matches both, e.g. \"+:{}\"",
-                            describe(own),
-                            why(rules, by_own),
-                            describe(engine),
-                            why(rules, by_eng),
-                            exact_pattern(&eng, &[&full])
-                        );
-                    }
-                    for r in [by_own, by_eng].into_iter().flatten() {
-                        decides[r] = true;
-                    }
-                    own
+                    by_rules_agreeing(rules, &full, default, &mut decides)?
                 };
                 if let ModulePlan::Quantize(s) = plan {
                     check_shape(&full, l.n, l.k, s, s == default)?;
@@ -236,59 +218,15 @@ impl Plan {
                     plan,
                 });
             }
-            for (fused, members) in fused_members(i, &mods) {
-                let plans: Vec<ModulePlan> = members.iter().map(|m| m.plan).collect();
-                if plans.iter().any(|p| *p != plans[0]) {
-                    let names: Vec<&str> = members.iter().map(|m| m.name.as_str()).collect();
-                    let kept = plans.iter().filter(|p| **p == ModulePlan::Keep).count();
-                    if kept > 0 && kept < plans.len() && rules.is_empty() {
-                        bail!(
-                            "--skip {skip:?} splits the fused group {} of layer {i}: SGLang loads {} \
-                             as one Linear ({fused}), so skip all of them or none",
-                            names.join("/"),
-                            names.join(", ")
-                        );
-                    }
-                    bail!(
-                        "the plan gives the fused group {} of layer {i} different settings ({}): \
-                         SGLang loads them as one Linear ({fused}), so give all of them the same",
-                        names.join("/"),
-                        plans
-                            .iter()
-                            .zip(&names)
-                            .map(|(p, n)| format!("{n} {}", describe(*p)))
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    );
-                }
-            }
+            check_fused_groups(i, &mods, skip, rules)?;
             layers.push(mods);
         }
-        let unused: Vec<usize> = (0..rules.len()).filter(|&r| !decides[r]).collect();
-        let unused_rules: Vec<String> = unused
-            .iter()
-            .take(UNUSED_LISTED)
-            .map(|&r| unused_reason(cfg, &skips, rules, r))
-            .collect();
-        if !unused.is_empty() && unmatched == Unmatched::Refuse {
-            let more = unused.len().saturating_sub(UNUSED_LISTED);
-            bail!(
-                "--plan: {} rule(s) would change nothing: {}{}; fix or drop them, or pass \
-                 --allow-unmatched-rules to accept rules that change nothing",
-                unused.len(),
-                unused_rules.join("; "),
-                if more > 0 {
-                    format!("; and {more} more")
-                } else {
-                    String::new()
-                }
-            );
-        }
+        let (unused, unused_rules) = check_unused_rules(cfg, &skips, rules, &decides, unmatched)?;
         Ok(Self {
             layers,
             default,
             from_rules: !rules.is_empty(),
-            unused_rules: unused.len(),
+            unused_rules: unused,
             unused_reasons: unused_rules,
         })
     }
@@ -407,6 +345,104 @@ impl Plan {
         }
         Ok(out)
     }
+}
+
+/// The plan `rules` give the module `full`, which must be the same by its own name and by its
+/// engine name; marks the deciding rules in `decides`.
+fn by_rules_agreeing(
+    rules: &[DynamicRule],
+    full: &str,
+    default: Scheme,
+    decides: &mut [bool],
+) -> Result<ModulePlan> {
+    let eng = engine_name(full);
+    let (own, by_own) = by_rules(rules, full, default)?;
+    let (engine, by_eng) = by_rules(rules, &eng, default)?;
+    if own != engine {
+        bail!(
+            "--plan: {full} gets {} by its own name ({}) but {} by the \
+             name SGLang and vLLM match rules against, {eng} ({}); write \
+             the rule so that it matches both, e.g. \"+:{}\"",
+            describe(own),
+            why(rules, by_own),
+            describe(engine),
+            why(rules, by_eng),
+            exact_pattern(&eng, &[full])
+        );
+    }
+    for r in [by_own, by_eng].into_iter().flatten() {
+        decides[r] = true;
+    }
+    Ok(own)
+}
+
+/// Refuses a fused group of layer `i` (loaded by the engines as one Linear) whose members have
+/// different plans.
+fn check_fused_groups(
+    i: usize,
+    mods: &[PlannedLinear],
+    skip: &[String],
+    rules: &[DynamicRule],
+) -> Result<()> {
+    for (fused, members) in fused_members(i, mods) {
+        let plans: Vec<ModulePlan> = members.iter().map(|m| m.plan).collect();
+        if plans.iter().any(|p| *p != plans[0]) {
+            let names: Vec<&str> = members.iter().map(|m| m.name.as_str()).collect();
+            let kept = plans.iter().filter(|p| **p == ModulePlan::Keep).count();
+            if kept > 0 && kept < plans.len() && rules.is_empty() {
+                bail!(
+                    "--skip {skip:?} splits the fused group {} of layer {i}: SGLang loads {} \
+                     as one Linear ({fused}), so skip all of them or none",
+                    names.join("/"),
+                    names.join(", ")
+                );
+            }
+            bail!(
+                "the plan gives the fused group {} of layer {i} different settings ({}): \
+                 SGLang loads them as one Linear ({fused}), so give all of them the same",
+                names.join("/"),
+                plans
+                    .iter()
+                    .zip(&names)
+                    .map(|(p, n)| format!("{n} {}", describe(*p)))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The rules that decide no module: their count and the reasons of the first
+/// [`UNUSED_LISTED`]; refused unless `unmatched` allows them.
+fn check_unused_rules(
+    cfg: &AnyConfig,
+    skips: &[regex::Regex],
+    rules: &[DynamicRule],
+    decides: &[bool],
+    unmatched: Unmatched,
+) -> Result<(usize, Vec<String>)> {
+    let unused: Vec<usize> = (0..rules.len()).filter(|&r| !decides[r]).collect();
+    let unused_rules: Vec<String> = unused
+        .iter()
+        .take(UNUSED_LISTED)
+        .map(|&r| unused_reason(cfg, skips, rules, r))
+        .collect();
+    if !unused.is_empty() && unmatched == Unmatched::Refuse {
+        let more = unused.len().saturating_sub(UNUSED_LISTED);
+        bail!(
+            "--plan: {} rule(s) would change nothing: {}{}; fix or drop them, or pass \
+             --allow-unmatched-rules to accept rules that change nothing",
+            unused.len(),
+            unused_rules.join("; "),
+            if more > 0 {
+                format!("; and {more} more")
+            } else {
+                String::new()
+            }
+        );
+    }
+    Ok((unused.len(), unused_rules))
 }
 
 fn describe(p: ModulePlan) -> String {

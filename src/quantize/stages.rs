@@ -153,105 +153,34 @@ impl Preflight {
         let hidden_states_bytes = tokens * h * e;
         let vocab = cfg.vocab_size as u64;
         let embed_head_bytes = 2 * vocab * h * e + h * e;
-        let mut layer_params = 0u64;
-        let mut linear_params = 0f64;
-        let mut ks = vec![];
-        let mut max_solve = 0u64;
-        for i in 0..cfg.num_hidden_layers {
-            let mut p = 0u64;
-            let mut lin = 0f64;
-            for (name, shape) in cfg.layer_tensors(i) {
-                let n: u64 = shape.iter().map(|&d| d as u64).product();
-                p += n;
-                if shape.len() == 2 {
-                    lin += n as f64;
-                    let (rows, k) = (shape[0] as u64, shape[1] as u64);
-                    max_solve = max_solve.max(k * k * (4 + 8 + 8 + 4) + 3 * rows * k * 4);
-                    if name.ends_with("q_proj.weight")
-                        || name.ends_with("o_proj.weight")
-                        || name.ends_with("gate_proj.weight")
-                        || name.ends_with("down_proj.weight")
-                    {
-                        ks.push(k as f64);
-                    }
-                }
-            }
-            layer_params = layer_params.max(p);
-            linear_params += lin;
-        }
+        let layers = LayerTotals::of(cfg);
         let b = batch.min(windows).max(1) as u64;
         let t = seqlen.max() as u64;
-        let heads = cfg.num_attention_heads as u64;
-        // Sparse layers: f32 scores, masked scores and probabilities for one batch (none with
-        // the fused attention kernel, BF16 on a GPU); MLP: gate, up and their product.
-        let attn = if device.is_cuda() && dtype == DType::BF16 {
-            0
-        } else {
-            3 * b * heads * t * t * 4
-        };
-        let mlp = 3 * b * t * cfg.intermediate_size as u64 * e;
-        let forward_bytes = attn.max(mlp) + 4 * b * t * h * 4;
-        // True-sequential: each stage input is computed once (see `run_layers`), so one pass
-        // through every Linear; all groups at once: the capturing pass and the final pass.
-        let passes = if true_sequential { 1.0 } else { 2.0 };
-        let forward_flops = 2.0 * linear_params * tokens as f64 * passes * streams as f64;
-        let hessian_flops = if gptq {
-            ks.iter()
-                .map(|k| 2.0 * tokens as f64 * k * k * streams as f64)
-                .sum()
-        } else {
-            0.0
-        };
-        let factor_flops = if gptq {
-            ks.iter().map(|k| 2.0 / 3.0 * k * k * k).sum()
-        } else {
-            0.0
-        };
-        // GPTAQ's correction per Hessian: H_λ⁻¹ = UᵀU and D·H_λ⁻¹, two f32 K³ products.
-        let correction_flops: f64 = if method == super::Method::Gptaq {
-            ks.iter().map(|k| 4.0 * k * k * k).sum()
-        } else {
-            0.0
-        };
+        let forward_bytes = forward_transient_bytes(cfg, b, t, dtype, device);
+        let flops = Flops::of(&layers, tokens, true_sequential, method, streams);
         // The MSE range search: 80 candidate ranges per weight.
-        let mse_evals = if mse { 80.0 * linear_params } else { 0.0 };
-        let output_bytes = (linear_params / 2.0) as u64 + embed_head_bytes;
-        // Effective rates, end to end on an H100 for CUDA (docs/benchmarks.md): the BF16 forward
-        // with the fused attention and the chunk-parallel Simple-GLA (4.65e15 FLOP in 13.9 s),
-        // tensor-core XᵀX on the upper blocks (5.35e15 full-matrix FLOP in 4.46 s), the f64
-        // factorizations, the MSE search's extra ~2.7 s (~2.6e11
-        // candidate evaluations per second), GPTAQ's f32 products at ~24 TFLOP/s, and, per
-        // output byte, everything else (the plain column loop, decode, report, load, setup and
-        // what is left of the write after the last layer); rough per-core figures on the CPU
-        // (~5e7 MSE evaluations/s and ~0.03 TFLOP/s per core).
-        let (rates, mse_rate, corr_rate) = if device.is_cuda() {
-            let fwd = if dtype == DType::F32 { 30.0 } else { 330.0 };
-            // Full-matrix FLOPs per second: only the blocks on and above the diagonal are
-            // computed (kernels::cuda::xtx_add_upper).
-            let xtx = if dtype == DType::F32 { 40.0 } else { 1200.0 };
-            ((fwd, xtx, 25.0, 0.53), 2.6e11, 24e12)
+        let mse_evals = if mse {
+            80.0 * layers.linear_params
         } else {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-            (
-                (0.03 * cores, 0.03 * cores, 0.015 * cores, 0.2),
-                5e7 * cores,
-                0.03e12 * cores,
-            )
+            0.0
         };
-        let seconds = forward_flops / (rates.0 * 1e12)
-            + hessian_flops / (rates.1 * 1e12)
-            + factor_flops / (rates.2 * 1e12)
+        let output_bytes = (layers.linear_params / 2.0) as u64 + embed_head_bytes;
+        let (rates, mse_rate, corr_rate) = effective_rates(device, dtype);
+        let seconds = flops.forward / (rates.0 * 1e12)
+            + flops.hessian / (rates.1 * 1e12)
+            + flops.factor / (rates.2 * 1e12)
             + output_bytes as f64 / (rates.3 * 1e9)
             + mse_evals / mse_rate
-            + correction_flops / corr_rate;
-        let solve_bytes = if gptq { max_solve } else { 0 };
+            + flops.correction / corr_rate;
+        let solve_bytes = if gptq { layers.max_solve } else { 0 };
         let inter = cfg.intermediate_size as u64;
         let layer_cache_bytes = if true_sequential {
             (tokens * h * e + tokens * inter * e) * streams
         } else {
             0
         };
-        let base = hidden_states_bytes * streams + embed_head_bytes + layer_params * e * streams;
+        let base =
+            hidden_states_bytes * streams + embed_head_bytes + layers.layer_params * e * streams;
         let during_mixer = if true_sequential { tokens * h * e } else { 0 } + forward_bytes;
         let during_down = layer_cache_bytes + solve_bytes;
         Self {
@@ -259,15 +188,15 @@ impl Preflight {
             tokens,
             hidden_states_bytes,
             embed_head_bytes,
-            layer_bytes: layer_params * e,
+            layer_bytes: layers.layer_params * e,
             solve_bytes,
             forward_bytes,
             layer_cache_bytes,
             streams,
             peak_bytes: base + during_mixer.max(during_down),
-            forward_flops,
-            hessian_flops,
-            factor_flops,
+            forward_flops: flops.forward,
+            hessian_flops: flops.hessian,
+            factor_flops: flops.factor,
             output_bytes,
             seconds,
             assumed_rates: rates,
@@ -295,6 +224,150 @@ impl Preflight {
             } else {
                 format!("{:.0}", self.seconds)
             }
+        )
+    }
+}
+
+/// Sizes gathered over every decoder layer's tensors for the preflight estimate.
+struct LayerTotals {
+    /// The largest layer's parameter count.
+    layer_params: u64,
+    /// Parameters of every Linear (2-D tensor) of every layer.
+    linear_params: f64,
+    /// The input width K of each Hessian: one per q, o, gate and down projection.
+    ks: Vec<f64>,
+    /// The largest solve's working set, bytes.
+    max_solve: u64,
+}
+
+impl LayerTotals {
+    /// Walks every layer's tensors, summing parameters and noting each Hessian's width.
+    fn of(cfg: &Config) -> Self {
+        let mut layer_params = 0u64;
+        let mut linear_params = 0f64;
+        let mut ks = vec![];
+        let mut max_solve = 0u64;
+        for i in 0..cfg.num_hidden_layers {
+            let mut p = 0u64;
+            let mut lin = 0f64;
+            for (name, shape) in cfg.layer_tensors(i) {
+                let n: u64 = shape.iter().map(|&d| d as u64).product();
+                p += n;
+                if shape.len() == 2 {
+                    lin += n as f64;
+                    let (rows, k) = (shape[0] as u64, shape[1] as u64);
+                    max_solve = max_solve.max(k * k * (4 + 8 + 8 + 4) + 3 * rows * k * 4);
+                    if name.ends_with("q_proj.weight")
+                        || name.ends_with("o_proj.weight")
+                        || name.ends_with("gate_proj.weight")
+                        || name.ends_with("down_proj.weight")
+                    {
+                        ks.push(k as f64);
+                    }
+                }
+            }
+            layer_params = layer_params.max(p);
+            linear_params += lin;
+        }
+        Self {
+            layer_params,
+            linear_params,
+            ks,
+            max_solve,
+        }
+    }
+}
+
+/// The largest per-batch forward transient for `b` windows of `t` tokens, bytes.
+fn forward_transient_bytes(cfg: &Config, b: u64, t: u64, dtype: DType, device: &Device) -> u64 {
+    let e = dtype.size_in_bytes() as u64;
+    let h = cfg.hidden_size as u64;
+    let heads = cfg.num_attention_heads as u64;
+    // Sparse layers: f32 scores, masked scores and probabilities for one batch (none with
+    // the fused attention kernel, BF16 on a GPU); MLP: gate, up and their product.
+    let attn = if device.is_cuda() && dtype == DType::BF16 {
+        0
+    } else {
+        3 * b * heads * t * t * 4
+    };
+    let mlp = 3 * b * t * cfg.intermediate_size as u64 * e;
+    attn.max(mlp) + 4 * b * t * h * 4
+}
+
+/// The FLOPs of a run's compute stages.
+struct Flops {
+    forward: f64,
+    hessian: f64,
+    factor: f64,
+    correction: f64,
+}
+
+impl Flops {
+    /// Counts the forward, XᵀX, factorization and GPTAQ-correction FLOPs.
+    fn of(
+        layers: &LayerTotals,
+        tokens: u64,
+        true_sequential: bool,
+        method: super::Method,
+        streams: u64,
+    ) -> Self {
+        let gptq = method != super::Method::Rtn;
+        let ks = &layers.ks;
+        // True-sequential: each stage input is computed once (see `run_layers`), so one pass
+        // through every Linear; all groups at once: the capturing pass and the final pass.
+        let passes = if true_sequential { 1.0 } else { 2.0 };
+        let forward = 2.0 * layers.linear_params * tokens as f64 * passes * streams as f64;
+        let hessian = if gptq {
+            ks.iter()
+                .map(|k| 2.0 * tokens as f64 * k * k * streams as f64)
+                .sum()
+        } else {
+            0.0
+        };
+        let factor = if gptq {
+            ks.iter().map(|k| 2.0 / 3.0 * k * k * k).sum()
+        } else {
+            0.0
+        };
+        // GPTAQ's correction per Hessian: H_λ⁻¹ = UᵀU and D·H_λ⁻¹, two f32 K³ products.
+        let correction: f64 = if method == super::Method::Gptaq {
+            ks.iter().map(|k| 4.0 * k * k * k).sum()
+        } else {
+            0.0
+        };
+        Self {
+            forward,
+            hessian,
+            factor,
+            correction,
+        }
+    }
+}
+
+/// The effective rates the estimate assumes: (forward, XᵀX and factorization TFLOP/s, other
+/// work in GB of output per second), MSE candidate evaluations per second, and GPTAQ's
+/// correction FLOP/s.
+fn effective_rates(device: &Device, dtype: DType) -> ((f64, f64, f64, f64), f64, f64) {
+    // Effective rates, end to end on an H100 for CUDA (docs/benchmarks.md): the BF16 forward
+    // with the fused attention and the chunk-parallel Simple-GLA (4.65e15 FLOP in 13.9 s),
+    // tensor-core XᵀX on the upper blocks (5.35e15 full-matrix FLOP in 4.46 s), the f64
+    // factorizations, the MSE search's extra ~2.7 s (~2.6e11
+    // candidate evaluations per second), GPTAQ's f32 products at ~24 TFLOP/s, and, per
+    // output byte, everything else (the plain column loop, decode, report, load, setup and
+    // what is left of the write after the last layer); rough per-core figures on the CPU
+    // (~5e7 MSE evaluations/s and ~0.03 TFLOP/s per core).
+    if device.is_cuda() {
+        let fwd = if dtype == DType::F32 { 30.0 } else { 330.0 };
+        // Full-matrix FLOPs per second: only the blocks on and above the diagonal are
+        // computed (kernels::cuda::xtx_add_upper).
+        let xtx = if dtype == DType::F32 { 40.0 } else { 1200.0 };
+        ((fwd, xtx, 25.0, 0.53), 2.6e11, 24e12)
+    } else {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        (
+            (0.03 * cores, 0.03 * cores, 0.015 * cores, 0.2),
+            5e7 * cores,
+            0.03e12 * cores,
         )
     }
 }

@@ -167,15 +167,55 @@ fn check_gptq_module(
         .iter()
         .map(|s| format!("{prefix}.{s}"))
         .collect();
+    let [qw, qz, sc, gi] = [&names[0], &names[1], &names[2], &names[3]].map(String::as_str);
+    check_gptq_dtypes(ck, prefix, what, [qw, qz, sc, gi])?;
+    let bits = m.bits;
+    let (k, n, vals, words) = gptq_dims(ck, qw, prefix, bits, expect)?;
+    let g = m.group_size.len(k);
+    let groups = m.group_size.count(k);
+    check_gptq_shapes(ck, [qw, qz, sc, gi], k, n, g, groups, bits, (vals, words))?;
+    let g_idx = ck.i32_data(gi)?;
+    let act_order = check_g_idx(ck, gi, &g_idx, k, g, groups, m.desc_act, &info.source)?;
+    if m.sym {
+        check_symmetric_qzeros(ck, info, qz, bits, vals, words)?;
+    }
+    Ok(QuantModule {
+        prefix: prefix.to_string(),
+        n,
+        k,
+        bits,
+        group_size: m.group_size,
+        groups,
+        sym: m.sym,
+        desc_act: m.desc_act,
+        act_order,
+        bytes: total_bytes(ck, &names),
+        tensors: names,
+    })
+}
+
+/// Every GPTQ tensor is present and `qweight`, `qzeros`, `scales` and `g_idx` have their dtypes.
+fn check_gptq_dtypes(ck: &Checkpoint, prefix: &str, what: &str, names: [&str; 4]) -> Result<()> {
     for s in &GPTQ_SUFFIXES[1..] {
         need(ck, prefix, s, "qweight", what)?;
     }
-    let [qw, qz, sc, gi] = [&names[0], &names[1], &names[2], &names[3]];
+    let [qw, qz, sc, gi] = names;
     check_dtype(ck, qw, &[Dtype::I32], "I32 (packed codes)")?;
     check_dtype(ck, qz, &[Dtype::I32], "I32 (packed zero points)")?;
     check_dtype(ck, gi, &[Dtype::I32], "I32 (group of each input row)")?;
     check_dtype(ck, sc, &FLOATS, "F16 (or BF16/F32) scales")?;
-    let bits = m.bits;
+    Ok(())
+}
+
+/// `(K, N, vals, words)` from `qweight`'s shape (`words` I32 rows pack `vals` input rows), checked
+/// against the BF16 shape `expect` when known.
+fn gptq_dims(
+    ck: &Checkpoint,
+    qw: &str,
+    prefix: &str,
+    bits: u8,
+    expect: Option<(usize, usize)>,
+) -> Result<(usize, usize, usize, usize)> {
     let (vals, words) = match crate::format::pack::block_shape(bits) {
         Ok(shape) => shape,
         Err(_) => bail!(
@@ -208,10 +248,25 @@ fn check_gptq_module(
         );
     }
     ensure!(k > 0 && n > 0, "{} is empty (shape {qshape:?})", at(ck, qw));
-    let g = m.group_size.len(k);
-    let groups = m.group_size.count(k);
+    Ok((k, n, vals, words))
+}
+
+/// The shapes of `qzeros`, `scales` and `g_idx` for K inputs, N outputs and `groups` groups of
+/// `g` columns.
+#[allow(clippy::too_many_arguments)]
+fn check_gptq_shapes(
+    ck: &Checkpoint,
+    names: [&str; 4],
+    k: usize,
+    n: usize,
+    g: usize,
+    groups: usize,
+    bits: u8,
+    (vals, words): (usize, usize),
+) -> Result<()> {
+    let [qw, qz, sc, gi] = names;
     ensure!(
-        n % vals == 0,
+        n.is_multiple_of(vals),
         "{}: N = {n} is not a multiple of {vals}, so qzeros cannot pack {bits}-bit zeros along N",
         at(ck, qw)
     );
@@ -228,47 +283,48 @@ fn check_gptq_module(
         &format!("ceil(K={k} / group {g}) groups x N={n}"),
     )?;
     check_shape(ck, gi, &[k], &format!("one group per input row, K={k}"))?;
-    let g_idx = ck.i32_data(gi)?;
-    let act_order = check_g_idx(ck, gi, &g_idx, k, g, groups, m.desc_act, &info.source)?;
-    if m.sym {
-        let zero = 1u32 << (bits - 1);
-        let v1 = info.format.zeros_minus_one();
-        // The words of one packing block of `vals` identical zeros; the stream repeats them.
-        let pattern =
-            crate::format::pack::pack_qzeros(&vec![zero as u8; vals], 1, vals, bits, info.format)?;
-        let qzeros = ck.i32_data(qz)?;
-        if let Some(pos) = (0..qzeros.len()).position(|p| qzeros[p] != pattern[p % words]) {
-            let word = pattern[pos % words] as u32;
-            bail!(
-                "{}: word {pos} is 0x{:08x}, but a symmetric {bits}-bit checkpoint with \
-                 checkpoint_format {:?} stores 0x{word:08x} there (every zero point is {zero}{}); \
-                 the checkpoint_format or sym setting in {} is probably wrong (\"gptq\" stores \
-                 zero - 1, \"gptq_v2\" the zero itself)",
-                at(ck, qz),
-                qzeros[pos] as u32,
-                info.format.checkpoint_format(),
-                if v1 { ", stored minus one" } else { "" },
-                info.source.display()
-            );
-        }
+    Ok(())
+}
+
+/// A symmetric checkpoint's `qzeros` hold the midpoint zero everywhere, in the convention of its
+/// `checkpoint_format`.
+fn check_symmetric_qzeros(
+    ck: &Checkpoint,
+    info: &QuantInfo,
+    qz: &str,
+    bits: u8,
+    vals: usize,
+    words: usize,
+) -> Result<()> {
+    let zero = 1u32 << (bits - 1);
+    let v1 = info.format.zeros_minus_one();
+    // The words of one packing block of `vals` identical zeros; the stream repeats them.
+    let pattern =
+        crate::format::pack::pack_qzeros(&vec![zero as u8; vals], 1, vals, bits, info.format)?;
+    let qzeros = ck.i32_data(qz)?;
+    if let Some(pos) = (0..qzeros.len()).position(|p| qzeros[p] != pattern[p % words]) {
+        let word = pattern[pos % words] as u32;
+        bail!(
+            "{}: word {pos} is 0x{:08x}, but a symmetric {bits}-bit checkpoint with \
+             checkpoint_format {:?} stores 0x{word:08x} there (every zero point is {zero}{}); \
+             the checkpoint_format or sym setting in {} is probably wrong (\"gptq\" stores \
+             zero - 1, \"gptq_v2\" the zero itself)",
+            at(ck, qz),
+            qzeros[pos] as u32,
+            info.format.checkpoint_format(),
+            if v1 { ", stored minus one" } else { "" },
+            info.source.display()
+        );
     }
-    let bytes = names
+    Ok(())
+}
+
+/// The bytes of the tensors `names` in the checkpoint.
+fn total_bytes(ck: &Checkpoint, names: &[String]) -> u64 {
+    names
         .iter()
         .map(|nm| ck.get(nm).unwrap().nbytes() as u64)
-        .sum();
-    Ok(QuantModule {
-        prefix: prefix.to_string(),
-        n,
-        k,
-        bits,
-        group_size: m.group_size,
-        groups,
-        sym: m.sym,
-        desc_act: m.desc_act,
-        act_order,
-        bytes,
-        tensors: names,
-    })
+        .sum()
 }
 
 /// Checks `g_idx` against `desc_act`; returns whether it is permuted (act-order).
@@ -333,35 +389,7 @@ fn check_marlin_module(
     need(ck, prefix, "s", "B", "a Marlin Linear stores B and s")?;
     check_dtype(ck, &b, &[Dtype::I32], "I32 (Marlin tiles)")?;
     check_dtype(ck, &s, &FLOATS, "F16 scales")?;
-    ensure!(
-        m.bits == 4 && m.sym,
-        "{}: Marlin holds symmetric 4-bit codes only, but the settings in {} give module {prefix} \
-         bits = {}, sym = {}",
-        at(ck, &b),
-        info.source.display(),
-        m.bits,
-        m.sym
-    );
-    let bshape = &ck.get(&b).unwrap().shape;
-    ensure!(
-        bshape.len() == 2 && bshape[1].is_multiple_of(2),
-        "{} has shape {bshape:?}, expected [K/16, 2N]",
-        at(ck, &b)
-    );
-    let (k, n) = (bshape[0] * 16, bshape[1] / 2);
-    if let Some((en, ek)) = expect {
-        ensure!(
-            n == en && k == ek,
-            "{} has shape {bshape:?}, which holds K = {k}, N = {n}, but the {}; expected B \
-             [{}, {}]",
-            at(ck, &b),
-            expected_weight_note(prefix, expect),
-            ek / 16,
-            2 * en
-        );
-    }
-    check_marlin_shape(k, n, m.group_size, m.bits, m.sym)
-        .with_context(|| format!("{} (K = {k}, N = {n})", at(ck, &b)))?;
+    let (k, n) = marlin_dims(ck, info, prefix, &b, &m, expect)?;
     let groups = m.group_size.count(k);
     check_shape(
         ck,
@@ -370,33 +398,11 @@ fn check_marlin_module(
         &format!("K={k} / group {} groups x N={n}", m.group_size),
     )?;
     let mut tensors = vec![b.clone(), s.clone()];
-    let mut act_order = false;
-    if ck.contains(&si) {
-        check_dtype(ck, &si, &[Dtype::I32], "I32 (row permutation)")?;
-        check_shape(ck, &si, &[k], &format!("one entry per input row, K={k}"))?;
-        let sort = ck.i32_data(&si)?;
-        check_permutation(&sort, k).map_err(|e| anyhow!("{}: {e}", at(ck, &si)))?;
-        act_order = sort.iter().enumerate().any(|(i, &r)| r as usize != i);
-        ensure!(
-            m.desc_act || !act_order,
-            "{} permutes the rows, but desc_act is false in {}: set desc_act true, or the rows \
-             are misplaced",
-            at(ck, &si),
-            info.source.display()
-        );
+    let sorted = check_sort_indices(ck, info, prefix, &b, &si, &m, k)?;
+    if sorted.is_some() {
         tensors.push(si);
-    } else {
-        ensure!(
-            !m.desc_act,
-            "Marlin module {prefix} has desc_act true but no {si} ({} holds rows pre-sorted by \
-             group; without the sort indices the input columns cannot be matched)",
-            at(ck, &b)
-        );
     }
-    let bytes = tensors
-        .iter()
-        .map(|nm| ck.get(nm).unwrap().nbytes() as u64)
-        .sum();
+    let act_order = sorted.unwrap_or(false);
     Ok(QuantModule {
         prefix: prefix.to_string(),
         n,
@@ -407,9 +413,89 @@ fn check_marlin_module(
         sym: true,
         desc_act: m.desc_act,
         act_order,
-        bytes,
+        bytes: total_bytes(ck, &tensors),
         tensors,
     })
+}
+
+/// `(K, N)` from the shape of Marlin's `B` (`[K/16, 2N]`), after checking that the settings are
+/// symmetric 4-bit, against the BF16 shape `expect` when known and against Marlin's tiling.
+fn marlin_dims(
+    ck: &Checkpoint,
+    info: &QuantInfo,
+    prefix: &str,
+    b: &str,
+    m: &ModuleQuant,
+    expect: Option<(usize, usize)>,
+) -> Result<(usize, usize)> {
+    ensure!(
+        m.bits == 4 && m.sym,
+        "{}: Marlin holds symmetric 4-bit codes only, but the settings in {} give module {prefix} \
+         bits = {}, sym = {}",
+        at(ck, b),
+        info.source.display(),
+        m.bits,
+        m.sym
+    );
+    let bshape = &ck.get(b).unwrap().shape;
+    ensure!(
+        bshape.len() == 2 && bshape[1].is_multiple_of(2),
+        "{} has shape {bshape:?}, expected [K/16, 2N]",
+        at(ck, b)
+    );
+    let (k, n) = (bshape[0] * 16, bshape[1] / 2);
+    if let Some((en, ek)) = expect {
+        ensure!(
+            n == en && k == ek,
+            "{} has shape {bshape:?}, which holds K = {k}, N = {n}, but the {}; expected B \
+             [{}, {}]",
+            at(ck, b),
+            expected_weight_note(prefix, expect),
+            ek / 16,
+            2 * en
+        );
+    }
+    check_marlin_shape(k, n, m.group_size, m.bits, m.sym)
+        .with_context(|| format!("{} (K = {k}, N = {n})", at(ck, b)))?;
+    Ok((k, n))
+}
+
+/// Checks the sort indices `si` when present: a permutation of K rows, permuted only under
+/// `desc_act`; returns whether they permute the rows, `None` when absent (refused under
+/// `desc_act`).
+#[allow(clippy::too_many_arguments)]
+fn check_sort_indices(
+    ck: &Checkpoint,
+    info: &QuantInfo,
+    prefix: &str,
+    b: &str,
+    si: &str,
+    m: &ModuleQuant,
+    k: usize,
+) -> Result<Option<bool>> {
+    if ck.contains(si) {
+        check_dtype(ck, si, &[Dtype::I32], "I32 (row permutation)")?;
+        check_shape(ck, si, &[k], &format!("one entry per input row, K={k}"))?;
+        let sort = ck.i32_data(si)?;
+        check_permutation(&sort, k).map_err(|e| anyhow!("{}: {e}", at(ck, si)))?;
+        let act_order = sort.iter().enumerate().any(|(i, &r)| r as usize != i);
+        ensure!(
+            m.desc_act || !act_order,
+            "{} permutes the rows, but desc_act is false in {}: set desc_act true, or the rows \
+             are misplaced",
+            at(ck, si),
+            info.source.display()
+        );
+        Ok(Some(act_order))
+    } else {
+        ensure!(
+            !m.desc_act,
+            "Marlin module {prefix} has desc_act true but no {si} ({} holds rows pre-sorted by \
+             group; without the sort indices the input columns cannot be matched)",
+            at(ck, b)
+        );
+        Ok(None)
+    }
 }
 
 fn check_permutation(sort: &[i32], k: usize) -> std::result::Result<(), String> {
@@ -447,44 +533,7 @@ pub fn validate_quantized_modules(
     let mut modules = Vec::new();
     match expected {
         Some(expected) => {
-            let qset: HashSet<&str> = prefixes.iter().map(String::as_str).collect();
-            for (name, shape) in expected {
-                let quant_prefix = name
-                    .strip_suffix(".weight")
-                    .filter(|p| shape.len() == 2 && qset.contains(p));
-                if let Some(e) = ck.get(name) {
-                    ensure!(
-                        e.dtype.is_float(),
-                        "{} has dtype {}, expected a float tensor (BF16, F16 or F32)",
-                        at(ck, name),
-                        e.dtype.name()
-                    );
-                    ensure!(
-                        &e.shape == shape,
-                        "{} has shape {:?}, but config.json implies {shape:?}",
-                        at(ck, name),
-                        e.shape
-                    );
-                    if let Some(p) = quant_prefix {
-                        bail!(
-                            "module {p} is stored twice: as {} and as quantized {}",
-                            at(ck, name),
-                            at(ck, &format!("{p}.{}", quant_suffixes(info.format)[0]))
-                        );
-                    }
-                    claimed.insert(name.clone());
-                } else if let Some(p) = quant_prefix {
-                    let m = check_quantized_module(ck, info, p, Some((shape[0], shape[1])))?;
-                    claimed.extend(m.tensors.iter().cloned());
-                    modules.push(m);
-                } else {
-                    bail!(
-                        "tensor {name} (shape {shape:?}) is missing from {}: config.json implies \
-                         it and no quantized set replaces it",
-                        ck.dir.display()
-                    );
-                }
-            }
+            check_expected_tensors(ck, info, expected, &prefixes, &mut claimed, &mut modules)?
         }
         None => {
             for p in &prefixes {
@@ -494,6 +543,70 @@ pub fn validate_quantized_modules(
             }
         }
     }
+    check_unclaimed(ck, info, &claimed, expected.is_some())?;
+    Ok(modules)
+}
+
+/// Checks every tensor of the BF16 layout `expected`: present as a float tensor of its shape, or
+/// a 2-D `*.weight` replaced by a quantized set (pushed to `modules`); the tensors it accounts
+/// for go to `claimed`.
+fn check_expected_tensors(
+    ck: &Checkpoint,
+    info: &QuantInfo,
+    expected: &[(String, Vec<usize>)],
+    prefixes: &[String],
+    claimed: &mut HashSet<String>,
+    modules: &mut Vec<QuantModule>,
+) -> Result<()> {
+    let qset: HashSet<&str> = prefixes.iter().map(String::as_str).collect();
+    for (name, shape) in expected {
+        let quant_prefix = name
+            .strip_suffix(".weight")
+            .filter(|p| shape.len() == 2 && qset.contains(p));
+        if let Some(e) = ck.get(name) {
+            ensure!(
+                e.dtype.is_float(),
+                "{} has dtype {}, expected a float tensor (BF16, F16 or F32)",
+                at(ck, name),
+                e.dtype.name()
+            );
+            ensure!(
+                &e.shape == shape,
+                "{} has shape {:?}, but config.json implies {shape:?}",
+                at(ck, name),
+                e.shape
+            );
+            if let Some(p) = quant_prefix {
+                bail!(
+                    "module {p} is stored twice: as {} and as quantized {}",
+                    at(ck, name),
+                    at(ck, &format!("{p}.{}", quant_suffixes(info.format)[0]))
+                );
+            }
+            claimed.insert(name.clone());
+        } else if let Some(p) = quant_prefix {
+            let m = check_quantized_module(ck, info, p, Some((shape[0], shape[1])))?;
+            claimed.extend(m.tensors.iter().cloned());
+            modules.push(m);
+        } else {
+            bail!(
+                "tensor {name} (shape {shape:?}) is missing from {}: config.json implies \
+                 it and no quantized set replaces it",
+                ck.dir.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Refuses the tensors no module or expected tensor accounts for: any at all when the layout
+/// was `expected`, else those that look like part of a quantized set.
+fn check_unclaimed(
+    ck: &Checkpoint,
+    info: &QuantInfo,
+    claimed: &HashSet<String>,
+    expected: bool,
+) -> Result<()> {
     let suffixes = quant_suffixes(info.format);
     let mut unclaimed: Vec<&String> = ck.names().filter(|n| !claimed.contains(*n)).collect();
     unclaimed.sort_by(|a, b| natural_cmp(a, b));
@@ -501,7 +614,7 @@ pub fn validate_quantized_modules(
         let stray = name
             .rsplit_once('.')
             .is_some_and(|(_, s)| suffixes.contains(&s));
-        if expected.is_some() {
+        if expected {
             bail!(
                 "unexpected {}: config.json does not imply it and it is not part of a quantized \
                  module{} (wrong config, another architecture, or a partial quantized set?)",
@@ -520,7 +633,7 @@ pub fn validate_quantized_modules(
             );
         }
     }
-    Ok(modules)
+    Ok(())
 }
 
 /// [`validate_quantized_modules`] against the BF16 layout `expected_bf16` (`(name, shape)`).

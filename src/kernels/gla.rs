@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
 use anyhow::{bail, ensure, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{CudaDevice, DType, Device, Tensor};
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::cuda::{cuda, launch_in, slice_ptr, tensor_ptr, wrap};
@@ -108,6 +108,18 @@ pub fn forward_with_state(
     Ok((o, s.expect("the final state was asked for")))
 }
 
+/// The shape of one Simple-GLA call: batch, tokens, query heads, kv heads and head dimension.
+#[derive(Clone, Copy)]
+struct Shape {
+    b: usize,
+    t: usize,
+    h: usize,
+    kv: usize,
+    d: usize,
+}
+
+/// [`forward`] and [`forward_with_state`]: the operands checked, the empty batch answered on
+/// the host side, then one kernel launch into a new output (and final state when `want_state`).
 fn run(
     q: &Tensor,
     k: &Tensor,
@@ -119,6 +131,58 @@ fn run(
 ) -> Result<(Tensor, Option<Tensor>)> {
     let device = q.device();
     let dev = cuda(device)?;
+    let (shape, dtype) = check_operands(q, k, v, gammas)?;
+    let Shape { b, t, h, d, .. } = shape;
+    let state = match state {
+        Some(s) => Some(checked_state(s, shape, device)?),
+        None => None,
+    };
+    if b == 0 || t == 0 {
+        return empty_result(shape, state, want_state, device);
+    }
+    let (q, k, v) = (
+        aligned(q, device)?,
+        aligned(k, device)?,
+        aligned(v, device)?,
+    );
+    let tab = cached_table(gammas, device)?;
+    let stream = dev.cuda_stream();
+    let out: CudaSlice<f32> = unsafe { stream.alloc(b * t * h * d) }?;
+    let state_out: Option<CudaSlice<f32>> = if want_state {
+        Some(unsafe { stream.alloc(b * h * d * d) }?)
+    } else {
+        None
+    };
+    let (qp, kp, vp, op, tp) = (
+        tensor_ptr(&q)?,
+        tensor_ptr(&k)?,
+        tensor_ptr(&v)?,
+        slice_ptr(&out, &stream),
+        tensor_ptr(&tab)?,
+    );
+    let sin = match &state {
+        Some(s) => tensor_ptr(s)?,
+        None => 0u64,
+    };
+    let sout = match &state_out {
+        Some(s) => slice_ptr(s, &stream),
+        None => 0u64,
+    };
+    launch_forward(dev, shape, dtype, [qp, kp, vp, op, tp, sin, sout], scale)?;
+    let o = wrap(out, dev, &[b, t, h, d]);
+    let s = state_out.map(|s| wrap(s, dev, &[b, h, d, d]));
+    Ok((o, s))
+}
+
+/// The shape of the operands `q` `[B, T, H, D]`, `k` and `v` `[B, T, KV, D]` and the kernel's
+/// dtype suffix, after checking that they agree with each other, with the H decays `gammas`
+/// and with a variant and the grid of the kernel.
+fn check_operands(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    gammas: &[f64],
+) -> Result<(Shape, &'static str)> {
     let (b, t, h, d) = q.dims4()?;
     let (_, _, kv, _) = k.dims4()?;
     ensure!(
@@ -157,69 +221,70 @@ fn run(
         h <= 65535 && b <= 65535 && t <= i32::MAX as usize - CHUNK,
         "internal: Simple-GLA shape [{b}, {t}, {h}, {d}] is past the kernel's grid"
     );
-    let state = match state {
-        Some(s) => {
-            ensure!(
-                s.dims() == [b, h, d, d] && s.dtype() == DType::F32,
-                "internal: Simple-GLA state must be f32 [{b}, {h}, {d}, {d}], got {:?} {:?}",
-                s.dtype(),
-                s.dims()
-            );
-            ensure!(
-                s.device().same_device(device),
-                "internal: Simple-GLA state on another device"
-            );
-            Some(s.contiguous()?)
-        }
-        None => None,
-    };
-    if b == 0 || t == 0 {
-        let o = Tensor::zeros((b, t, h, d), DType::F32, device)?;
-        let s = match (want_state, state) {
-            (false, _) => None,
-            (true, Some(s)) => Some(s),
-            (true, None) => Some(Tensor::zeros((b, h, d, d), DType::F32, device)?),
-        };
-        return Ok((o, s));
-    }
-    // The kernel reads 16-byte vectors: each operand must start 16-byte aligned (its rows are
-    // multiples of 16 bytes for every supported d).
-    let aligned = |x: &Tensor| -> Result<Tensor> {
-        ensure!(
-            x.device().same_device(device),
-            "internal: Simple-GLA operands on different devices"
-        );
-        let x = x.contiguous()?;
-        Ok(if tensor_ptr(&x)? % 16 == 0 {
-            x
-        } else {
-            x.copy()?
-        })
-    };
-    let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
-    let tab = cached_table(gammas, device)?;
-    let stream = dev.cuda_stream();
-    let out: CudaSlice<f32> = unsafe { stream.alloc(b * t * h * d) }?;
-    let state_out: Option<CudaSlice<f32>> = if want_state {
-        Some(unsafe { stream.alloc(b * h * d * d) }?)
-    } else {
-        None
-    };
-    let (qp, kp, vp, op, tp) = (
-        tensor_ptr(&q)?,
-        tensor_ptr(&k)?,
-        tensor_ptr(&v)?,
-        slice_ptr(&out, &stream),
-        tensor_ptr(&tab)?,
+    Ok((Shape { b, t, h, kv, d }, dtype))
+}
+
+/// The starting state `s`, contiguous, after checking that it is f32 `[B, H, D, D]` on
+/// `device`.
+fn checked_state(s: &Tensor, shape: Shape, device: &Device) -> Result<Tensor> {
+    let Shape { b, h, d, .. } = shape;
+    ensure!(
+        s.dims() == [b, h, d, d] && s.dtype() == DType::F32,
+        "internal: Simple-GLA state must be f32 [{b}, {h}, {d}, {d}], got {:?} {:?}",
+        s.dtype(),
+        s.dims()
     );
-    let sin = match &state {
-        Some(s) => tensor_ptr(s)?,
-        None => 0u64,
+    ensure!(
+        s.device().same_device(device),
+        "internal: Simple-GLA state on another device"
+    );
+    Ok(s.contiguous()?)
+}
+
+/// The result of an empty batch (B = 0 or T = 0) without a launch: a zero output, and when
+/// `want_state` the starting state (zero when there is none).
+fn empty_result(
+    shape: Shape,
+    state: Option<Tensor>,
+    want_state: bool,
+    device: &Device,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let Shape { b, t, h, d, .. } = shape;
+    let o = Tensor::zeros((b, t, h, d), DType::F32, device)?;
+    let s = match (want_state, state) {
+        (false, _) => None,
+        (true, Some(s)) => Some(s),
+        (true, None) => Some(Tensor::zeros((b, h, d, d), DType::F32, device)?),
     };
-    let sout = match &state_out {
-        Some(s) => slice_ptr(s, &stream),
-        None => 0u64,
-    };
+    Ok((o, s))
+}
+
+/// `x` contiguous on `device`, copied when it does not start 16-byte aligned. The kernel reads
+/// 16-byte vectors: each operand must start 16-byte aligned (its rows are multiples of 16 bytes
+/// for every supported d).
+fn aligned(x: &Tensor, device: &Device) -> Result<Tensor> {
+    ensure!(
+        x.device().same_device(device),
+        "internal: Simple-GLA operands on different devices"
+    );
+    let x = x.contiguous()?;
+    Ok(if tensor_ptr(&x)? % 16 == 0 {
+        x
+    } else {
+        x.copy()?
+    })
+}
+
+/// Launches `gla_fwd_d{D}_{dtype}` on the device addresses `[q, k, v, o, decay table, state in,
+/// state out]` (a null state in starts from zero; a null state out keeps none).
+fn launch_forward(
+    dev: &CudaDevice,
+    shape: Shape,
+    dtype: &str,
+    [qp, kp, vp, op, tp, sin, sout]: [u64; 7],
+    scale: f64,
+) -> Result<()> {
+    let Shape { b, t, h, kv, d } = shape;
     // Grid (value slices, heads, batch); the slices of one head are neighbours, so they run
     // side by side and share the head's q and k through L2.
     let cfg = LaunchConfig {
@@ -245,10 +310,7 @@ fn run(
             &(kv as i32),
             &(scale as f32),
         ],
-    )?;
-    let o = wrap(out, dev, &[b, t, h, d]);
-    let s = state_out.map(|s| wrap(s, dev, &[b, h, d, d]));
-    Ok((o, s))
+    )
 }
 
 #[cfg(test)]

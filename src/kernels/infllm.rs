@@ -308,19 +308,11 @@ pub fn attend_tiled(
         slice_ptr(&out, &stream),
     );
     let scale = (1.0 / (d as f64).sqrt()) as f32;
-    // Grid (token tiles, kv heads, batch); K and V tiles (32 KB, the Q tile first) plus one
-    // selection bit mask per token of the tile and their union.
-    let tokens_per_block = block_m / 16 * (16 / g);
-    let smem = 2 * BLOCK_SIZE * HEAD_DIM * 2 + (tokens_per_block + 1) * nb.div_ceil(32) * 4;
     launch_in(
         dev,
         "infllm",
         &format!("infllm_attend_g{g}_m{block_m}"),
-        LaunchConfig {
-            grid_dim: (blocks(t, tokens_per_block), kv as u32, b as u32),
-            block_dim: (2 * block_m as u32, 1, 1),
-            shared_mem_bytes: smem as u32,
-        },
+        attend_config((b, t, kv), g, block_m, nb),
         &[
             &qp,
             &kp,
@@ -336,6 +328,26 @@ pub fn attend_tiled(
         ],
     )?;
     Ok(wrap(out, dev, &[b, t, h * d]))
+}
+
+/// The launch shape of `infllm_attend_g{g}_m{block_m}` for a batch of `b` sequences of `t`
+/// tokens over `kv` kv heads, `g` query heads per kv head and `nb` key blocks: tiles of
+/// `block_m / 16` warps of `16 / g` tokens each.
+fn attend_config(
+    (b, t, kv): (usize, usize, usize),
+    g: usize,
+    block_m: usize,
+    nb: usize,
+) -> LaunchConfig {
+    // Grid (token tiles, kv heads, batch); K and V tiles (32 KB, the Q tile first) plus one
+    // selection bit mask per token of the tile and their union.
+    let tokens_per_block = block_m / 16 * (16 / g);
+    let smem = 2 * BLOCK_SIZE * HEAD_DIM * 2 + (tokens_per_block + 1) * nb.div_ceil(32) * 4;
+    LaunchConfig {
+        grid_dim: (blocks(t, tokens_per_block), kv as u32, b as u32),
+        block_dim: (2 * block_m as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    }
 }
 
 /// The whole InfLLM-v2 attention of a sparse layer from its projections and compressed keys:

@@ -497,6 +497,35 @@ impl<'r, 's> Pass<'r, 's> {
         Ok(())
     }
 
+    /// Factorizes group `g`'s Hessian for the first of its Linears to be solved (with GPTAQ's
+    /// correction under `--method gptaq`) and keeps the factorization in `subset.factors` for
+    /// the others. The options are the Linear's, named after all the modules of the group.
+    fn factorize_group(
+        &mut self,
+        subset: &mut Subset,
+        g: LinearGroup,
+        sopts: &SolveOptions,
+    ) -> Result<()> {
+        let opts = self.run.opts;
+        let fopts = SolveOptions {
+            module: subset.acc[&g].module_names().join(", "),
+            ..sopts.clone()
+        };
+        let mut f = gptq::factorize(&subset.hessians[&g], &fopts)?;
+        if opts.method == Method::Gptaq {
+            let d = subset
+                .cross
+                .get(&g)
+                .ok_or_else(|| anyhow!("internal: no GPTAQ cross term for {}", fopts.module))?;
+            f = f
+                .with_gptaq(d, opts.gptaq_alpha)
+                .with_context(|| format!("GPTAQ for {}", fopts.module))?;
+        }
+        subset.factors.insert(g, f);
+        self.stages.factorization += self.clock.lap()?;
+        Ok(())
+    }
+
     /// Solves one Linear (GPTQ on its group's factorization, or RTN), packs it, and puts the
     /// weights a server decodes back into the layer.
     fn solve_linear(
@@ -522,22 +551,7 @@ impl<'r, 's> Pass<'r, 's> {
             factor: self.run.compute.factor_precision,
         };
         if opts.method.uses_hessians() && !subset.factors.contains_key(&g) {
-            let fopts = SolveOptions {
-                module: subset.acc[&g].module_names().join(", "),
-                ..sopts.clone()
-            };
-            let mut f = gptq::factorize(&subset.hessians[&g], &fopts)?;
-            if opts.method == Method::Gptaq {
-                let d = subset
-                    .cross
-                    .get(&g)
-                    .ok_or_else(|| anyhow!("internal: no GPTAQ cross term for {}", fopts.module))?;
-                f = f
-                    .with_gptaq(d, opts.gptaq_alpha)
-                    .with_context(|| format!("GPTAQ for {}", fopts.module))?;
-            }
-            subset.factors.insert(g, f);
-            self.stages.factorization += self.clock.lap()?;
+            self.factorize_group(subset, g, &sopts)?;
         }
         let mut q = match opts.method {
             Method::Gptq | Method::Gptaq => {

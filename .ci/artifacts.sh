@@ -7,9 +7,13 @@
 # quantize, safety and long_context; the quality gate: quality_gate; the engines: engines).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The binary the tests built (dev profile), wherever cargo puts its target folder.
-cargo build --locked --quiet
-BIN=${BIN:-${CARGO_TARGET_DIR:-target}/debug/soar-gptq}
+# The binary: $BIN when given (.ci/run passes the one `cargo test` built), else a dev build.
+# (`cargo build` alone resolves dependency features without the dev-dependencies and so builds
+# candle and tokenizers a second time: on the CI machine that is minutes.)
+if [ -z "${BIN:-}" ]; then
+  cargo build --locked --quiet
+  BIN=${CARGO_TARGET_DIR:-target}/debug/soar-gptq
+fi
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 MODEL=examples/tiny-sala

@@ -102,14 +102,7 @@ impl QuantParams {
             for i in 0..(MSE_MAX_SHRINK * MSE_GRID as f64) as usize {
                 let p = (1.0 - i as f64 / MSE_GRID as f64) as f32;
                 let (scale, zero) = range_params(p * xmin, p * xmax);
-                let err: f32 = x
-                    .iter()
-                    .map(|&v| {
-                        let q = dequantize_code(quantize_code(v, scale, zero, maxq), scale, zero);
-                        (q - v).abs().powf(MSE_NORM)
-                    })
-                    .sum();
-                if err < best_err {
+                if let Some(err) = group_error_below(x, scale, zero, maxq, best_err) {
                     best_err = err;
                     best = (scale, zero);
                 }
@@ -117,6 +110,23 @@ impl QuantParams {
         }
         best
     }
+}
+
+/// The MSE search's error of one group at `(scale, zero)`, the sum of
+/// `|dequant(quant(v)) - v|^MSE_NORM` in order, if it is below `bound`. The sum stops as soon as it reaches `bound`: its terms are
+/// never negative and rounding is monotone, so a partial sum at or above `bound` means the whole
+/// sum is too, and the answer is the one the full sum gives.
+fn group_error_below(x: &[f32], scale: f32, zero: f32, maxq: f32, bound: f32) -> Option<f32> {
+    let mut err = 0.0f32;
+    for &v in x {
+        let q = dequantize_code(quantize_code(v, scale, zero, maxq), scale, zero);
+        err += (q - v).abs().powf(MSE_NORM);
+        if err >= bound {
+            return None;
+        }
+    }
+    // NaN never counts as below.
+    (err < bound).then_some(err)
 }
 
 /// The stored integer code of `w`: `clamp(round(w / scale) + zero, 0, maxq)`, returned as f32.

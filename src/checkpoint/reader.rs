@@ -189,6 +189,14 @@ impl Checkpoint {
         })
     }
 
+    /// The file names of the shards, in the order they were opened.
+    pub fn shard_file_names(&self) -> Vec<String> {
+        self.shards
+            .iter()
+            .map(|s| s.path.file_name().unwrap().to_string_lossy().into_owned())
+            .collect()
+    }
+
     pub fn names(&self) -> impl Iterator<Item = &String> {
         self.tensors.keys()
     }

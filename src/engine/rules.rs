@@ -64,3 +64,12 @@ pub struct Rules {
     /// The command that serves a folder: `(dir, MiniCPM-SALA, needs remote code)`.
     pub serve: fn(&str, bool, bool) -> String,
 }
+
+/// The flag an SGLang or vLLM command line needs for a folder whose code runs remotely.
+pub fn trust_remote_code_flag(remote_code: bool) -> &'static str {
+    if remote_code {
+        " --trust-remote-code"
+    } else {
+        ""
+    }
+}

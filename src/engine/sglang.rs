@@ -4,7 +4,7 @@
 //! plain gptq (float16 only) otherwise, `KeyError` on a tensor it builds no parameter for.
 
 use super::linears::{apply_dynamic, marlin_incompatibility, Method, Quantized, RELABELLED_FIX};
-use super::rules::Rules;
+use super::rules::{trust_remote_code_flag, Rules};
 use super::Findings;
 use crate::format::quantized::QuantFormat;
 
@@ -90,11 +90,7 @@ fn serve(dir: &str, sala: bool, remote_code: bool) -> String {
     }
     format!(
         "python3 -m sglang.launch_server --model-path {dir}{}",
-        if remote_code {
-            " --trust-remote-code"
-        } else {
-            ""
-        }
+        trust_remote_code_flag(remote_code)
     )
 }
 

@@ -112,7 +112,7 @@ mod tests {
     use crate::checkpoint::Dtype;
     use serde_json::json;
 
-    /// Every finding transformers's rules can give, one row each.
+    /// Every finding transformers' rules can give, one row each.
     #[test]
     fn every_finding() {
         #[rustfmt::skip]

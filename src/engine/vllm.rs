@@ -8,7 +8,7 @@ use super::linears::{
     apply_dynamic, marlin_incompatibility, Decision, EngineLinear, Method, Quantized,
     RELABELLED_FIX,
 };
-use super::rules::Rules;
+use super::rules::{trust_remote_code_flag, Rules};
 use super::Findings;
 use crate::format::quantized::QuantFormat;
 use crate::scheme::GroupSize;
@@ -113,14 +113,7 @@ fn module(q: &Quantized, l: &EngineLinear, d: &mut Decision, f: &mut Findings) {
 }
 
 fn serve(dir: &str, _sala: bool, remote_code: bool) -> String {
-    format!(
-        "vllm serve {dir}{}",
-        if remote_code {
-            " --trust-remote-code"
-        } else {
-            ""
-        }
-    )
+    format!("vllm serve {dir}{}", trust_remote_code_flag(remote_code))
 }
 
 #[cfg(test)]

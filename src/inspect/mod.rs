@@ -97,11 +97,7 @@ pub fn inspect(dir: &Path) -> Result<InspectReport> {
         parameters: params,
         tensor_bytes: bytes,
         tensors: ck.names().count(),
-        shards: ck
-            .shards
-            .iter()
-            .map(|s| s.path.file_name().unwrap().to_string_lossy().into_owned())
-            .collect(),
+        shards: ck.shard_file_names(),
         dtypes,
         manifest,
         engines: crate::engine::summaries(dir)?,

@@ -165,11 +165,7 @@ pub fn inspect_quantized(dir: &Path) -> Result<QuantInspectReport> {
         quantized_modules: modules.iter().map(module_report).collect(),
         kept_modules: kept,
         tensors: ck.names().count(),
-        shards: ck
-            .shards
-            .iter()
-            .map(|s| s.path.file_name().unwrap().to_string_lossy().into_owned())
-            .collect(),
+        shards: ck.shard_file_names(),
         quantized_bytes,
         other_bytes: total_bytes - quantized_bytes,
         total_bytes,

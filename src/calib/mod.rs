@@ -3,6 +3,8 @@
 //! `seqlen` tokens drawn with a seed. Chat messages are rendered with the model's own
 //! `chat_template` through minijinja.
 
+pub mod export;
+
 use crate::rng::SplitMix64;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Serialize;

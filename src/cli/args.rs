@@ -45,6 +45,9 @@ pub enum Command {
     /// attention or the MLP, or per module) alone goes back to 16 bits, ranked with its size;
     /// and a plan for a size budget or KL target that `quantize --plan` takes.
     Sensitivity(SensitivityArgs),
+    /// Writes the calibration windows quantize would draw, as token ids (JSON), so that another
+    /// tool can calibrate on exactly the same tokens.
+    ExportCalib(ExportCalibArgs),
 }
 
 /// `quantize`: its settings, and how the report is printed.
@@ -285,4 +288,30 @@ fn parse_nonneg(s: &str) -> std::result::Result<f64, String> {
         Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
         _ => Err(format!("{s} is not a non-negative number")),
     }
+}
+
+/// `export-calib`: the calibration flags of `quantize` that choose the windows, and the file.
+#[derive(clap::Args, Debug)]
+pub struct ExportCalibArgs {
+    #[command(flatten)]
+    pub source: ModelArgs,
+    /// Calibration source, as quantize takes it: `default`, a .txt or .jsonl file, or a folder;
+    /// append `:WEIGHT` to mix several (repeatable).
+    #[arg(long, default_values_t = vec!["default".to_string()])]
+    pub calib: Vec<String>,
+    /// Calibration windows.
+    #[arg(long, default_value_t = 128, value_parser = crate::flag::positive)]
+    pub nsamples: usize,
+    /// Tokens per window, or MIN..MAX for lengths drawn log-uniformly between two.
+    #[arg(long, default_value = "2048")]
+    pub seqlen: crate::calib::SeqLen,
+    /// Seed for drawing the windows.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// The JSON file to write (docs/calibration.md, Exporting the windows).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Replace --out if it exists (a regular file only: never a folder, device or input).
+    #[arg(long)]
+    pub force: bool,
 }

@@ -51,6 +51,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Synth(a) => synth(a),
         Command::ImportGguf(a) => import_gguf(a),
         Command::Sensitivity(a) => sensitivity(a),
+        Command::ExportCalib(a) => export_calib(a),
     }
 }
 
@@ -330,6 +331,44 @@ fn import_gguf(a: ImportGgufArgs) -> Result<()> {
         shard_bytes: a.shard_size,
     })?;
     a.print.report(&report, |r| r.print_text())
+}
+
+fn export_calib(a: ExportCalibArgs) -> Result<()> {
+    use crate::calib::{export, CalibSpec};
+    let calib = a
+        .calib
+        .iter()
+        .map(|c| CalibSpec::parse(c))
+        .collect::<Result<Vec<_>>>()?;
+    // --out is checked against every input before anything is read or downloaded, and again
+    // with the resolved model's files.
+    let mut inputs: Vec<InputPath> = calib
+        .iter()
+        .filter(|c| c.path != "default")
+        .map(|c| InputPath::new("--calib", &c.path))
+        .collect();
+    inputs.push(InputPath::new("--model", a.source.local_path()));
+    OutputFile::check("--out", &a.out, a.force, &inputs)?;
+    let src = a.source.resolve()?;
+    inputs.extend(guard::model_inputs("--model", &src.dir));
+    let out = OutputFile::check("--out", &a.out, a.force, &inputs)?;
+    let req = export::Request {
+        calib: &calib,
+        nsamples: a.nsamples,
+        seqlen: a.seqlen,
+        seed: a.seed,
+    };
+    let set = export::windows(&src.dir, &req)?;
+    let json = export::to_json(&src.description, &req, &set)?;
+    out.write(|tmp| Ok(std::fs::write(tmp, json.as_bytes())?))?;
+    let tokens: usize = set.windows.iter().map(Vec::len).sum();
+    crate::outln!(
+        "wrote {}: {} windows, {tokens} tokens, calibration_sha256 {}",
+        a.out.display(),
+        set.windows.len(),
+        set.sha256
+    );
+    Ok(())
 }
 
 fn sensitivity(a: SensitivityArgs) -> Result<()> {

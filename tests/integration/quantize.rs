@@ -889,3 +889,93 @@ fn gptaq_and_refit_run_resume_and_refuse_bad_combinations() {
         assert!(!bad.exists() && !partial_path(&bad).exists());
     }
 }
+
+/// `export-calib` writes the windows `quantize` calibrates on: the same SHA-256 as the run's
+/// report (over the ids it wrote), the lengths asked for, ids that are the calibration text's
+/// own tokens; and the same bytes twice. Its --out is guarded like every output.
+#[test]
+fn export_calib_writes_the_windows_quantize_uses() {
+    use sha2::{Digest, Sha256};
+    let fx = Fixture::new(5);
+    let calib = fx.calib.to_str().unwrap();
+    let model = fx.model.to_str().unwrap();
+    let q = fx.quantized("q", &["--seqlen", "40..64", "--seed", "3"]);
+    let export = |name: &str| {
+        let out = fx.path(name);
+        let o = run(&[
+            "export-calib",
+            "--model",
+            model,
+            "--calib",
+            calib,
+            "--nsamples",
+            "4",
+            "--seqlen",
+            "40..64",
+            "--seed",
+            "3",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert_ok(&o);
+        assert!(stdout(&o).contains("4 windows"), "{}", stdout(&o));
+        out
+    };
+    let (a, b) = (export("a.json"), export("b.json"));
+    assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+    let doc = read_json(&a);
+    let windows: Vec<Vec<u32>> = serde_json::from_value(doc["windows"].clone()).unwrap();
+    assert_eq!(windows.len(), 4);
+    assert!(windows.iter().all(|w| (40..=64).contains(&w.len())));
+    assert!(
+        windows.iter().any(|w| w.len() != windows[0].len()),
+        "a mix of lengths"
+    );
+    let mut h = Sha256::new();
+    windows
+        .iter()
+        .flatten()
+        .for_each(|id| h.update(id.to_le_bytes()));
+    let sha: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    assert_eq!(doc["calibration_sha256"], sha.as_str());
+    let report = read_json(&q.join("quantize_report.json"));
+    assert_eq!(report["calibration_sha256"], sha.as_str());
+    // Every window is a run of the calibration text's tokens.
+    let tok = tokenizers::Tokenizer::from_file(fx.model.join("tokenizer.json")).unwrap();
+    let ids = tok.encode(sample_text(), false).unwrap().get_ids().to_vec();
+    for w in &windows {
+        assert!(
+            ids.windows(w.len()).any(|s| s == &w[..]),
+            "window not in the text"
+        );
+    }
+    // The output is never an input, and an existing file needs --force.
+    let o = run(&[
+        "export-calib",
+        "--model",
+        model,
+        "--out",
+        a.to_str().unwrap(),
+    ]);
+    assert_fails(&o, 1, "pass --force");
+    let cfg = fx.model.join("config.json");
+    let o = run(&[
+        "export-calib",
+        "--model",
+        model,
+        "--out",
+        cfg.to_str().unwrap(),
+        "--force",
+    ]);
+    assert_fails(&o, 1, "inputs are never modified");
+    let o = run(&[
+        "export-calib",
+        "--model",
+        model,
+        "--out",
+        "x.json",
+        "--seqlen",
+        "0",
+    ]);
+    assert_fails(&o, 2, "--seqlen");
+}

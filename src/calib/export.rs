@@ -4,8 +4,7 @@
 //! report and `quantization_config` for the same model, sources, count, lengths and seed.
 
 use super::{build_windows, load_sources, CalibSet, CalibSpec, ChatFormat, SeqLen};
-use crate::model::AnyConfig;
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, Result};
 use serde::Serialize;
 use std::path::Path;
 
@@ -33,13 +32,10 @@ pub struct Exported<'a> {
     pub windows: &'a [Vec<u32>],
 }
 
-/// The windows `quantize` draws from the model folder `dir` (its tokenizer, chat template and
-/// vocabulary) for `req`, refused as `quantize` refuses them when a window is longer than the
-/// model takes.
-pub fn windows(dir: &Path, req: &Request) -> Result<CalibSet> {
-    let cfg = AnyConfig::from_file(&dir.join("config.json"))?;
-    cfg.check_length(req.seqlen.max())
-        .with_context(|| format!("--seqlen {} is too long for this model", req.seqlen))?;
+/// The windows `quantize` draws for `req` from the model folder `dir` (its tokenizer and chat
+/// template) whose vocabulary holds `vocab_size` ids. The caller checks the lengths against the
+/// model's config, as `quantize` does.
+pub fn windows(dir: &Path, vocab_size: usize, req: &Request) -> Result<CalibSet> {
     let path = dir.join("tokenizer.json");
     crate::checkpoint::guard::regular_file(&path, "tokenizer")?;
     let tokenizer = tokenizers::Tokenizer::from_file(&path)
@@ -49,7 +45,7 @@ pub fn windows(dir: &Path, req: &Request) -> Result<CalibSet> {
     build_windows(
         &sources,
         &tokenizer,
-        cfg.vocab_size(),
+        vocab_size,
         req.nsamples,
         req.seqlen,
         req.seed,

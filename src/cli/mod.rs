@@ -358,7 +358,10 @@ fn export_calib(a: ExportCalibArgs) -> Result<()> {
         seqlen: a.seqlen,
         seed: a.seed,
     };
-    let set = export::windows(&src.dir, &req)?;
+    let cfg = crate::model::AnyConfig::from_file(&src.dir.join("config.json"))?;
+    cfg.check_length(a.seqlen.max())
+        .with_context(|| format!("--seqlen {} is too long for this model", a.seqlen))?;
+    let set = export::windows(&src.dir, cfg.vocab_size(), &req)?;
     let json = export::to_json(&src.description, &req, &set)?;
     out.write(|tmp| Ok(std::fs::write(tmp, json.as_bytes())?))?;
     let tokens: usize = set.windows.iter().map(Vec::len).sum();

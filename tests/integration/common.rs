@@ -9,6 +9,12 @@ pub fn bin() -> Command {
     for v in ["HF_HUB_OFFLINE", "HF_HOME", "HF_HUB_CACHE", "HF_TOKEN"] {
         c.env_remove(v);
     }
+    // Tests run two at a time: one candle CPU thread per process keeps two processes from
+    // spinning against each other in candle's thread pool, which waits by spinning (1.6-1.8x
+    // faster on two cores; docs/benchmarks.md, The test loop). An explicit setting wins.
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        c.env("CANDLE_NUM_THREADS", "1");
+    }
     c
 }
 

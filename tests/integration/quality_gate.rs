@@ -15,18 +15,14 @@
 //! calibration is the fixture's own training text (1790-1999), the evaluation the held-out
 //! 2000-2021 text compiled into the binary (no overlap).
 
+use crate::common::bin;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 const FIXTURE: &str = "examples/tiny-sala";
 
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_soar-gptq")
-}
-
 fn quantize(out: &Path, extra: &[&str]) {
-    let o = Command::new(bin())
+    let o = bin()
         .args(["quantize", "--model", FIXTURE, "--out"])
         .arg(out)
         .args([
@@ -51,7 +47,7 @@ fn quantize(out: &Path, extra: &[&str]) {
 
 /// `(Δppl, mean KL)` of each compared folder against the fixture, in order.
 fn compare(dirs: &[PathBuf]) -> Vec<(f64, f64)> {
-    let mut cmd = Command::new(bin());
+    let mut cmd = bin();
     cmd.args(["eval-ppl", "--model", FIXTURE, "--data", "default"]);
     cmd.args([
         "--seqlen",
@@ -98,7 +94,7 @@ fn compare(dirs: &[PathBuf]) -> Vec<(f64, f64)> {
 #[ignore = "slow: seven quantizations and eight evaluations of the fixture"]
 fn gptq_beats_rtn_at_4_and_3_bits_on_held_out_text() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut dirs = vec![];
+    let mut runs: Vec<(PathBuf, Vec<&str>)> = vec![];
     let variants: [(&str, &[&str]); 3] = [
         ("default", &[]),
         // Plain round-to-nearest (min/max ranges), the baseline every ratio is taken against.
@@ -110,16 +106,24 @@ fn gptq_beats_rtn_at_4_and_3_bits_on_held_out_text() {
             let out = tmp.path().join(format!("{name}{bits}"));
             // 3-bit MiniCPM-SALA is for evaluation only: SGLang's 3-bit kernels are float16-only.
             let engine = if bits == "3" { "none" } else { "sglang" };
-            quantize(
-                &out,
-                &[&["--bits", bits, "--engine", engine], args].concat(),
-            );
-            dirs.push(out);
+            runs.push((out, [&["--bits", bits, "--engine", engine], args].concat()));
         }
     }
-    let gptaq = tmp.path().join("gptaq4");
-    quantize(&gptaq, &["--method", "gptaq"]);
-    dirs.push(gptaq);
+    runs.push((tmp.path().join("gptaq4"), vec!["--method", "gptaq"]));
+    // Two quantizations at a time (each process runs one candle thread: common::bin).
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some((out, args)) = runs.get(i) else {
+                    break;
+                };
+                quantize(out, args);
+            });
+        }
+    });
+    let dirs: Vec<PathBuf> = runs.into_iter().map(|(d, _)| d).collect();
     let r = compare(&dirs);
     let rtn4 = r[1];
     eprintln!("4 bits: GPTAQ/RTN mean KL {:.3}", r[6].1 / rtn4.1);

@@ -36,8 +36,8 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use clap::Parser;
 use soar_gptq::checkpoint::guard::InputPath;
-use soar_gptq::checkpoint::writer::{self, OutputDir, TensorSpec};
 use soar_gptq::checkpoint::Dtype;
+use soar_gptq::checkpoint::{files, shards, OutputDir, TensorSpec};
 use soar_gptq::eval::{self, PplOptions};
 use soar_gptq::model::config::{self, Config};
 use soar_gptq::model::{DecoderLayer, Model};
@@ -301,13 +301,13 @@ fn tokenize(tok: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
 const CHAT_TEMPLATE: &str = "{{ bos_token }}{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
 fn write_side_files(dir: &std::path::Path, cfg: &Config, tokenizer: &[u8]) -> Result<()> {
-    writer::write_file(&dir.join("config.json"), cfg.to_json_pretty().as_bytes())?;
+    files::write_file(&dir.join("config.json"), cfg.to_json_pretty().as_bytes())?;
     let gen = serde_json::json!({
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": cfg.eos_token_id,
         "pad_token_id": cfg.pad_token_id,
     });
-    writer::write_file(
+    files::write_file(
         &dir.join("generation_config.json"),
         serde_json::to_string_pretty(&gen)?.as_bytes(),
     )?;
@@ -323,11 +323,11 @@ fn write_side_files(dir: &std::path::Path, cfg: &Config, tokenizer: &[u8]) -> Re
         "model_max_length": cfg.sparse_config.dense_len,
         "chat_template": CHAT_TEMPLATE,
     });
-    writer::write_file(
+    files::write_file(
         &dir.join("tokenizer_config.json"),
         serde_json::to_string_pretty(&tc)?.as_bytes(),
     )?;
-    writer::write_file(&dir.join("tokenizer.json"), tokenizer)
+    files::write_file(&dir.join("tokenizer.json"), tokenizer)
 }
 
 fn main() -> Result<()> {
@@ -606,7 +606,7 @@ fn main() -> Result<()> {
         .iter()
         .map(|(n, s)| TensorSpec::new(n.clone(), Dtype::BF16, s.clone()))
         .collect();
-    writer::write_sharded(&dir, &tspecs, u64::MAX, |spec, w| {
+    shards::write_sharded(&dir, &tspecs, u64::MAX, |spec, w| {
         let v: Vec<half::bf16> = bf16[&spec.name].flatten_all()?.to_vec1()?;
         let mut bytes = Vec::with_capacity(v.len() * 2);
         for x in v {
@@ -638,7 +638,7 @@ fn main() -> Result<()> {
         "heldout_ppl_bf16": ppl_bf16,
         "evals": log,
     });
-    writer::write_file(
+    files::write_file(
         &dir.join("train_report.json"),
         serde_json::to_string_pretty(&report)?.as_bytes(),
     )?;

@@ -31,11 +31,10 @@
 //! files and unpacked; the codes and the scale bits must equal the GPTQ ones exactly, copied
 //! tensors must be byte-identical, and the result must validate as a Marlin checkpoint.
 
+use crate::checkpoint::files::{side_files, write_file};
 use crate::checkpoint::guard::model_inputs;
-use crate::checkpoint::writer::{
-    side_files, write_file, write_sharded_parallel, OutputDir, TensorSpec, DEFAULT_SHARD_BYTES,
-};
-use crate::checkpoint::{Checkpoint, Dtype};
+use crate::checkpoint::shards::{write_sharded_parallel, DEFAULT_SHARD_BYTES};
+use crate::checkpoint::{Checkpoint, Dtype, OutputDir, TensorSpec};
 use crate::engine::{self, Engine, EngineCheck};
 use crate::format::marlin::{
     check_marlin_shape, gptq_codes_to_marlin, marlin_sort_indices, marlin_to_gptq_codes,
@@ -231,8 +230,8 @@ pub fn pack_marlin_checkpoint(
     stages.check = t0.elapsed().as_secs_f64();
     let mut od = OutputDir::create(out, force, &model_inputs("--in", input))?;
     crate::fault::delay("SOAR_GPTQ_TEST_PACK_DELAY_MS");
-    let layout = Layout::plan(&ck, &modules);
-    let shards = write_tensors(&ck, &mut od, &layout)?;
+    let tensors = MarlinTensors::plan(&ck, &modules);
+    let shards = write_tensors(&ck, &mut od, &tensors)?;
     lap(&mut stages.write);
 
     let config_edits = write_configs(input, &od, &info, engine)?;
@@ -245,15 +244,15 @@ pub fn pack_marlin_checkpoint(
         &ck,
         od.path(),
         &modules,
-        &layout.copied,
+        &tensors.copied,
         expected.as_deref(),
     )?;
     lap(&mut stages.verify);
     let (engine_check, engine_note) = check_engine(input, out, &od, engine)?;
 
     lap(&mut stages.engine_check);
-    let quantized_bytes = layout.quantized_bytes();
-    let tensor_bytes = layout.specs.iter().map(TensorSpec::nbytes).sum();
+    let quantized_bytes = tensors.quantized_bytes();
+    let tensor_bytes = tensors.specs.iter().map(TensorSpec::nbytes).sum();
     write_file(
         &od.path().join("README.md"),
         marlin_card(input, &info, modules.len(), engine_check.as_ref()).as_bytes(),
@@ -266,7 +265,7 @@ pub fn pack_marlin_checkpoint(
         input_format: info.format.checkpoint_format().to_string(),
         modules_packed: modules.len(),
         act_order_modules: modules.iter().filter(|m| m.desc_act).count(),
-        tensors_copied: layout.copied.len(),
+        tensors_copied: tensors.copied.len(),
         quantized_bytes,
         tensor_bytes,
         shards,
@@ -360,14 +359,14 @@ fn refuse_unfit_shapes(input: &Path, modules: &[QuantModule]) -> Result<()> {
 
 /// The output's tensors in the input's order: per module `B`, the sort indices (act-order only)
 /// and `s` in place of its `qweight`, every tensor outside a module copied.
-struct Layout<'a> {
+struct MarlinTensors<'a> {
     specs: Vec<TensorSpec>,
     sources: HashMap<String, Source<'a>>,
     /// Names of the tensors copied unchanged.
     copied: Vec<String>,
 }
 
-impl<'a> Layout<'a> {
+impl<'a> MarlinTensors<'a> {
     /// Lays out the output of `ck` whose quantized modules are `modules`.
     fn plan(ck: &Checkpoint, modules: &'a [QuantModule]) -> Self {
         let mut owner: HashMap<&str, &QuantModule> = HashMap::new();
@@ -376,7 +375,7 @@ impl<'a> Layout<'a> {
                 owner.insert(t.as_str(), m);
             }
         }
-        let mut l = Layout {
+        let mut l = MarlinTensors {
             specs: Vec::new(),
             sources: HashMap::new(),
             copied: Vec::new(),
@@ -429,18 +428,22 @@ impl<'a> Layout<'a> {
     }
 }
 
-/// Writes the shards of `layout` into the output folder (after checking the disk has room) and
+/// Writes the shards of `tensors` into the output folder (after checking the disk has room) and
 /// records their hashes; returns the shard names.
-fn write_tensors(ck: &Checkpoint, od: &mut OutputDir, layout: &Layout) -> Result<Vec<String>> {
+fn write_tensors(
+    ck: &Checkpoint,
+    od: &mut OutputDir,
+    tensors: &MarlinTensors,
+) -> Result<Vec<String>> {
     crate::checkpoint::guard::check_disk_space(
         "--out",
         od.path(),
-        layout.specs.iter().map(TensorSpec::nbytes).sum(),
+        tensors.specs.iter().map(TensorSpec::nbytes).sum(),
         "the tensors",
     )?;
     // Re-tiled on all cores, shards written at the same time and hashed as they are written.
-    let shards = write_sharded_parallel(od.path(), &layout.specs, DEFAULT_SHARD_BYTES, |spec| {
-        tensor_bytes(ck, &layout.sources[&spec.name], &spec.name)
+    let shards = write_sharded_parallel(od.path(), &tensors.specs, DEFAULT_SHARD_BYTES, |spec| {
+        tensor_bytes(ck, &tensors.sources[&spec.name], &spec.name)
     })?;
     od.record_hashed(&shards);
     Ok(shards.into_iter().map(|f| f.name).collect())

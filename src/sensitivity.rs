@@ -765,7 +765,7 @@ pub fn check_made_from(reference: &Path, ck: &Checkpoint, quantized: &Path) -> R
         return Ok(());
     };
     let source = v["model"].as_str().unwrap_or("its source");
-    let now = crate::checkpoint::writer::shard_sha256(ck)?;
+    let now = crate::checkpoint::manifest::shard_sha256(ck)?;
     if now != recorded {
         let short = |h: &str| h.chars().take(12).collect::<String>();
         let diff = recorded
@@ -795,7 +795,7 @@ pub fn check_made_from(reference: &Path, ck: &Checkpoint, quantized: &Path) -> R
     }
     if let Some(c) = v["hashes"]["config_sha256"].as_str() {
         let cfg = reference.join("config.json");
-        if crate::checkpoint::writer::sha256_file(&cfg).is_ok_and(|h| h != c) {
+        if crate::checkpoint::manifest::sha256_file(&cfg).is_ok_and(|h| h != c) {
             eprintln!(
                 "note: --model {}'s config.json differs from the one --quantized {} was made \
                  from (the weights are the same)",

@@ -5,8 +5,7 @@
 //! never holds more than one chunk per core in memory.
 
 use crate::checkpoint::guard::InputPath;
-use crate::checkpoint::writer::{self, OutputDir, TensorSpec};
-use crate::checkpoint::Dtype;
+use crate::checkpoint::{files, shards, Dtype, OutputDir, TensorSpec};
 use crate::model::AnyConfig;
 use crate::rng::SplitMix64;
 use anyhow::{bail, Context, Result};
@@ -89,7 +88,7 @@ pub fn synth(cfg: &AnyConfig, opts: &SynthOptions) -> Result<PathBuf> {
         "the tensors",
     )?;
     let progress = crate::progress::bar(specs.len() as u64, "synth");
-    writer::write_sharded(&dir, &specs, opts.shard_bytes, |spec, w| {
+    shards::write_sharded(&dir, &specs, opts.shard_bytes, |spec, w| {
         let (center, half_width) = init_for(&spec.name, &spec.shape, cfg);
         let n = spec.shape.iter().product::<usize>();
         let base = opts.seed ^ fnv1a(&spec.name);
@@ -124,11 +123,11 @@ pub fn synth(cfg: &AnyConfig, opts: &SynthOptions) -> Result<PathBuf> {
 
 /// config.json, generation_config.json and tokenizer.json of a synthetic model.
 fn write_model_files(dir: &Path, cfg: &AnyConfig, tokenizer: &[u8]) -> Result<()> {
-    writer::write_file(&dir.join("config.json"), cfg.to_json_pretty().as_bytes())?;
+    files::write_file(&dir.join("config.json"), cfg.to_json_pretty().as_bytes())?;
     let gen = cfg.generation_ids();
-    writer::write_file(
+    files::write_file(
         &dir.join("generation_config.json"),
         serde_json::to_string_pretty(&gen)?.as_bytes(),
     )?;
-    writer::write_file(&dir.join("tokenizer.json"), tokenizer)
+    files::write_file(&dir.join("tokenizer.json"), tokenizer)
 }

@@ -650,7 +650,7 @@ fn windows_sha256(windows: &[Vec<u32>]) -> String {
             h.update(id.to_le_bytes());
         }
     }
-    crate::checkpoint::writer::hex(&h.finalize())
+    crate::checkpoint::manifest::hex(&h.finalize())
 }
 
 /// A window of `len` tokens whose source `first` is shorter than it: all of `first`, then

@@ -3,7 +3,7 @@
 //! the groups several commands share are `source::ModelArgs`, `device::DeviceArgs` and, below,
 //! [`Forward`] and [`Print`].
 
-use crate::checkpoint::writer::DEFAULT_SHARD_BYTES;
+use crate::checkpoint::shards::DEFAULT_SHARD_BYTES;
 use crate::device::DeviceArgs;
 use crate::engine::Engine;
 use crate::model::SparseAttention;

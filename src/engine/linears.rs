@@ -1,6 +1,6 @@
 //! The Linears as an engine builds them and the types its rules are written in: the method of
-//! each (`Method`), the engine's modules and the checkpoint members they load (`EngineLinear`,
-//! `Member`), the settings as the engine reads them (`Quantized`), a Linear's decision
+//! each (`LinearMethod`), the engine's modules and the checkpoint members they load
+//! (`EngineLinear`, `Member`), the settings as the engine reads them (`Quantized`), a Linear's decision
 //! (`Decision`), and the rules every engine shares (`dynamic` rules, the Marlin conditions).
 //! docs/engines.md states each rule with its source.
 
@@ -12,10 +12,11 @@ use crate::scheme::GroupSize;
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 
-/// How an engine runs one of its Linears.
+/// How an engine runs one of its Linears: its linear method, in the engines' own term (vLLM's
+/// and SGLang's `*LinearMethod` classes). Not the quantization method (`quantize::Method`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Method {
+pub enum LinearMethod {
     Unquantized,
     /// SGLang's and vLLM's Marlin path for GPTQ checkpoints (repacked at load).
     GptqMarlin,
@@ -29,7 +30,7 @@ pub enum Method {
     MarlinLegacy,
 }
 
-impl Method {
+impl LinearMethod {
     pub fn name(self) -> &'static str {
         match self {
             Self::Unquantized => "unquantized",
@@ -53,7 +54,7 @@ pub struct EngineModule {
     pub name: String,
     /// The checkpoint modules it loads (`...q_proj`, `...k_proj`, `...v_proj`).
     pub members: Vec<String>,
-    pub method: Method,
+    pub method: LinearMethod,
     pub bits: Option<u8>,
     pub group_size: Option<GroupSize>,
     /// The `dynamic` rule that decided the method or settings, if any.
@@ -260,7 +261,7 @@ pub(crate) fn marlin_incompatibility(q: &QuantInfo) -> Option<String> {
 
 /// The settings one engine Linear gets.
 pub(crate) struct Decision {
-    pub method: Method,
+    pub method: LinearMethod,
     pub bits: u8,
     pub group_size: GroupSize,
     pub sym: bool,
@@ -271,7 +272,7 @@ pub(crate) struct Decision {
 
 impl Decision {
     /// The checkpoint-wide settings under `method`.
-    pub(super) fn new(method: Method, quant: Option<&QuantInfo>) -> Self {
+    pub(super) fn new(method: LinearMethod, quant: Option<&QuantInfo>) -> Self {
         Self {
             method,
             bits: quant.map_or(16, |q| q.bits),
@@ -293,14 +294,14 @@ pub(crate) fn apply_dynamic(q: &Quantized, l: &EngineLinear, d: &mut Decision, f
     };
     d.rule = Some(r.key.clone());
     if r.skip {
-        d.method = Method::Unquantized;
+        d.method = LinearMethod::Unquantized;
         return;
     }
     let o = r.overrides;
     d.bits = o.bits.unwrap_or(d.bits);
     d.group_size = o.group_size.unwrap_or(d.group_size);
     d.desc_act = o.desc_act.unwrap_or(d.desc_act);
-    if !matches!(d.method, Method::GptqMarlin | Method::AutoGptq) {
+    if !matches!(d.method, LinearMethod::GptqMarlin | LinearMethod::AutoGptq) {
         return;
     }
     d.sym = o.sym.unwrap_or(d.sym);

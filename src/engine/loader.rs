@@ -6,7 +6,7 @@
 //! docs/engines.md states each rule with its source.
 
 use super::linears::{
-    engine_layout, Decision, EngineLinear, EngineModule, Member, Method, Quantized,
+    engine_layout, Decision, EngineLinear, EngineModule, LinearMethod, Member, Quantized,
 };
 use super::rules::Rules;
 use super::{Engine, Finding, Findings, FolderView};
@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 /// Why a Linear is beyond the Marlin kernels' shapes (out_features, fused: the sum, a multiple
 /// of 64; in_features of 128 and of the group size), if it is and gets a Marlin method.
 fn marlin_shape_limit(l: &EngineLinear, d: &Decision) -> Option<String> {
-    if !matches!(d.method, Method::GptqMarlin | Method::AutoGptq) {
+    if !matches!(d.method, LinearMethod::GptqMarlin | LinearMethod::AutoGptq) {
         return None;
     }
     let n: usize = l.members.iter().map(|m| m.n).sum();
@@ -68,7 +68,7 @@ fn shape_limit_finding(limits: &[String], rules: &Rules) -> Option<Finding> {
 
 /// What the legacy `marlin` method cannot hold: group sizes other than 128 and -1, act-order.
 fn legacy_marlin_limits(l: &EngineLinear, d: &Decision, f: &mut Findings) {
-    if d.method != Method::MarlinLegacy {
+    if d.method != LinearMethod::MarlinLegacy {
         return;
     }
     if d.group_size != GroupSize::G128 && d.group_size != GroupSize::PerRow {
@@ -107,8 +107,8 @@ fn expect_member(e: &mut Expect, m: &Member, d: &Decision, drops_g_idx: bool) {
         e.insert(format!("{p}.{suffix}"), (dtypes.to_vec(), shape, required));
     };
     match d.method {
-        Method::Unquantized => put("weight", &FLOATS, vec![m.n, m.k], true),
-        Method::MarlinLegacy => {
+        LinearMethod::Unquantized => put("weight", &FLOATS, vec![m.n, m.k], true),
+        LinearMethod::MarlinLegacy => {
             put("B", &[Dtype::I32], vec![m.k / 16, 2 * m.n], true);
             put("s", &FLOATS, vec![g, m.n], true);
         }
@@ -182,7 +182,7 @@ pub fn emulate(
     // The checkpoint-wide method.
     let global = q
         .as_ref()
-        .map_or(Method::Unquantized, |q| (rules.method)(q, &mut f));
+        .map_or(LinearMethod::Unquantized, |q| (rules.method)(q, &mut f));
     let (linears, plain) = engine_layout(cfg, rules.fuses);
     let mut expect = Expect::new();
     let mut modules = vec![];
@@ -199,7 +199,11 @@ pub fn emulate(
         }
         modules.push(EngineModule::new(l, d));
     }
-    if global == Method::MarlinLegacy && modules.iter().any(|m| m.method == Method::Unquantized) {
+    if global == LinearMethod::MarlinLegacy
+        && modules
+            .iter()
+            .any(|m| m.method == LinearMethod::Unquantized)
+    {
         f.warning(
             "modules are kept in 16 bits by dynamic rules: vLLM 0.10.1.1's legacy marlin method \
              applies no per-module rules and would build them as Marlin layers; a loader that \

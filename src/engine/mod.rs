@@ -33,7 +33,7 @@ use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-pub use linears::{EngineModule, Method};
+pub use linears::{EngineModule, LinearMethod};
 
 /// A serving engine whose loader is emulated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -509,11 +509,11 @@ fn quant_settings(view: &FolderView, f: &mut Findings) -> Option<QuantInfo> {
     quant
 }
 
-fn uses(modules: &[EngineModule], m: Method) -> bool {
+fn uses(modules: &[EngineModule], m: LinearMethod) -> bool {
     modules.iter().any(|x| x.method == m)
 }
 
-/// SGLang's plain gptq kernels (the only engine that builds [`Method::Gptq`]) take float16
+/// SGLang's plain gptq kernels (the only engine that builds [`LinearMethod::Gptq`]) take float16
 /// activations only: a config that says bfloat16 is refused, fatally for MiniCPM-SALA (it must
 /// run BF16), with `--dtype float16` as the way out for the others. A Marlin-format folder
 /// falls back to plain gptq in current releases; that finding says so.
@@ -526,7 +526,7 @@ fn plain_gptq_float16_only(
 ) -> bool {
     let serves_bf16 = config::dtype_key(&view.config).is_some_and(|(_, v)| v == "bfloat16");
     let marlin_format = quant.is_some_and(|q| q.format == QuantFormat::Marlin);
-    if !(uses(modules, Method::Gptq) && serves_bf16 && !marlin_format) {
+    if !(uses(modules, LinearMethod::Gptq) && serves_bf16 && !marlin_format) {
         return false;
     }
     let fix = if sala {
@@ -551,14 +551,14 @@ fn method_notes(
     quantized: bool,
     f: &mut Findings,
 ) {
-    if legacy_marlin && uses(modules, Method::MarlinLegacy) {
+    if legacy_marlin && uses(modules, LinearMethod::MarlinLegacy) {
         f.note(
             "the legacy marlin method exists only in vLLM ≤ 0.10.1.1 (and in SGLang with such a \
              vLLM installed), with float16 activations: no current SGLang or vLLM release reads \
              checkpoint_format marlin",
         );
     }
-    if uses(modules, Method::GptqMarlin) {
+    if uses(modules, LinearMethod::GptqMarlin) {
         f.note(
             "gptq_marlin repacks qweight to Marlin tiles at load (CUDA, compute capability ≥ 8.0)",
         );

@@ -4,7 +4,7 @@
 //! release that changes a rule changes one field or one function of its file, and the rows of its
 //! table of findings at the end of that file.
 
-use super::linears::{Decision, EngineLinear, Method, Quantized};
+use super::linears::{Decision, EngineLinear, LinearMethod, Quantized};
 use super::Findings;
 
 /// One engine's rules (docs/engines.md states each with its source).
@@ -39,7 +39,7 @@ pub struct Rules {
     /// It fuses q/k/v into one `qkv_proj` and gate/up into one `gate_up_proj` Linear.
     pub fuses: bool,
     /// The checkpoint-wide method for the settings, with the findings about them.
-    pub method: fn(&Quantized, &mut Findings) -> Method,
+    pub method: fn(&Quantized, &mut Findings) -> LinearMethod,
     /// How one Linear departs from the checkpoint-wide method (`dynamic` rules, the shards, a
     /// list of quantized modules).
     pub module: fn(&Quantized, &EngineLinear, &mut Decision, &mut Findings),

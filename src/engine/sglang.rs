@@ -3,7 +3,9 @@
 //! `dynamic` rules matched against the fused names, gptq_marlin when the settings allow it and
 //! plain gptq (float16 only) otherwise, `KeyError` on a tensor it builds no parameter for.
 
-use super::linears::{apply_dynamic, marlin_incompatibility, Method, Quantized, RELABELLED_FIX};
+use super::linears::{
+    apply_dynamic, marlin_incompatibility, LinearMethod, Quantized, RELABELLED_FIX,
+};
 use super::rules::{trust_remote_code_flag, Rules};
 use super::Findings;
 use crate::format::quantized::QuantFormat;
@@ -35,26 +37,26 @@ pub(super) const RULES: Rules = Rules {
 
 /// `GPTQMarlinConfig.override_quantization_method`: gptq_marlin when the settings allow it,
 /// plain gptq otherwise.
-fn method(q: &Quantized, f: &mut Findings) -> Method {
+fn method(q: &Quantized, f: &mut Findings) -> LinearMethod {
     if q.info.format == QuantFormat::Marlin {
         return marlin_format(q, f);
     }
     match marlin_incompatibility(q.info) {
-        None => Method::GptqMarlin,
+        None => LinearMethod::GptqMarlin,
         Some(why) => {
             f.warning(
                 &format!("SGLang does not select gptq_marlin: {why}"),
                 "quantize with --bits 4 (or 8), symmetric, group size -1, 32, 64 or 128 for the \
                  Marlin kernels",
             );
-            Method::Gptq
+            LinearMethod::Gptq
         }
     }
 }
 
 /// `checkpoint_format: "marlin"`: gptq_marlin refuses it, and the legacy `marlin` method exists
 /// only with a vLLM ≤ 0.10.1.1 installed.
-fn marlin_format(q: &Quantized, f: &mut Findings) -> Method {
+fn marlin_format(q: &Quantized, f: &mut Findings) -> LinearMethod {
     if q.relabelled_gptq {
         f.problem(
             "checkpoint_format is \"marlin\", but the folder holds GPTQ tensors (qweight, \
@@ -75,9 +77,9 @@ fn marlin_format(q: &Quantized, f: &mut Findings) -> Method {
         );
     }
     if q.legacy_marlin {
-        Method::MarlinLegacy
+        LinearMethod::MarlinLegacy
     } else {
-        Method::Gptq
+        LinearMethod::Gptq
     }
 }
 

@@ -4,7 +4,7 @@
 //! quantized ones; an "unexpected keys" warning (the weight is lost) on a tensor it builds no
 //! parameter for.
 
-use super::linears::{Decision, EngineLinear, Method, Quantized};
+use super::linears::{Decision, EngineLinear, LinearMethod, Quantized};
 use super::rules::Rules;
 use super::Findings;
 use crate::format::quantized::QuantFormat;
@@ -38,7 +38,7 @@ pub(super) const RULES: Rules = Rules {
 
 /// GPTQModel's QuantLinear for every Linear, with the settings `GPTQConfig` refuses and the
 /// `dynamic` rules it ignores.
-fn method(q: &Quantized, f: &mut Findings) -> Method {
+fn method(q: &Quantized, f: &mut Findings) -> LinearMethod {
     let info = q.info;
     if info.format == QuantFormat::Marlin {
         f.problem(
@@ -79,7 +79,7 @@ fn method(q: &Quantized, f: &mut Findings) -> Method {
             "quantize with --engine transformers, which writes modules_in_block_to_quantize",
         );
     }
-    Method::GptqModel
+    LinearMethod::GptqModel
 }
 
 /// optimum's `convert_model`: with `modules_in_block_to_quantize`, only the Linears whose names
@@ -88,7 +88,7 @@ fn module(q: &Quantized, l: &EngineLinear, d: &mut Decision, _: &mut Findings) {
     if let Some(list) = &q.listed {
         let m = &l.members[0];
         if !list.iter().any(|x| m.prefix.ends_with(x.as_str())) {
-            d.method = Method::Unquantized;
+            d.method = LinearMethod::Unquantized;
         }
     }
 }

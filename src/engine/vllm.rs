@@ -5,7 +5,7 @@
 //! "There is no module or parameter named ..." on a tensor it builds no parameter for.
 
 use super::linears::{
-    apply_dynamic, marlin_incompatibility, Decision, EngineLinear, Method, Quantized,
+    apply_dynamic, marlin_incompatibility, Decision, EngineLinear, LinearMethod, Quantized,
     RELABELLED_FIX,
 };
 use super::rules::{trust_remote_code_flag, Rules};
@@ -44,7 +44,7 @@ pub(super) const RULES: Rules = Rules {
 };
 
 /// `auto_gptq` for every GPTQ checkpoint, with the settings it refuses.
-fn method(q: &Quantized, f: &mut Findings) -> Method {
+fn method(q: &Quantized, f: &mut Findings) -> LinearMethod {
     if q.relabelled_gptq {
         f.problem(
             "checkpoint_format is \"marlin\", but the folder holds GPTQ tensors (qweight, \
@@ -78,7 +78,7 @@ fn method(q: &Quantized, f: &mut Findings) -> Method {
             "re-quantize with --act-order static (the default): same accuracy, trivial g_idx",
         );
     }
-    Method::AutoGptq
+    LinearMethod::AutoGptq
 }
 
 /// `dynamic` rules, then `is_layer_gptq_quantized`: a Linear is built quantized only if its
@@ -108,7 +108,7 @@ fn module(q: &Quantized, l: &EngineLinear, d: &mut Decision, f: &mut Findings) {
             "quantize all members of a fused group or none",
         );
     } else if !flags.iter().any(|&f| f) {
-        d.method = Method::Unquantized;
+        d.method = LinearMethod::Unquantized;
     }
 }
 

@@ -16,7 +16,7 @@ use crate::scheme::QuantFormat;
 /// (`vals = 32/bits`); 3 bits fill three words with 32 values, fields 10 and 21 straddling a word
 /// boundary (AutoGPTQ's "10|1|10|1|10" layout, which is exactly this bit stream).
 #[derive(Clone, Copy, Debug)]
-struct Layout {
+struct BitLayout {
     bits: usize,
     /// Values per block.
     vals: usize,
@@ -24,23 +24,24 @@ struct Layout {
     words: usize,
 }
 
-fn layout(bits: u8) -> Result<Layout> {
-    match bits {
-        2 | 4 | 8 => Ok(Layout {
-            bits: bits as usize,
-            vals: 32 / bits as usize,
-            words: 1,
-        }),
-        3 => Ok(Layout {
-            bits: 3,
-            vals: 32,
-            words: 3,
-        }),
-        _ => bail!("GPTQ packing supports 2, 3, 4 or 8 bits, got {bits}"),
+impl BitLayout {
+    /// The layout of `bits`-wide codes: 2, 3, 4 or 8 bits.
+    fn of(bits: u8) -> Result<Self> {
+        match bits {
+            2 | 4 | 8 => Ok(Self {
+                bits: bits as usize,
+                vals: 32 / bits as usize,
+                words: 1,
+            }),
+            3 => Ok(Self {
+                bits: 3,
+                vals: 32,
+                words: 3,
+            }),
+            _ => bail!("GPTQ packing supports 2, 3, 4 or 8 bits, got {bits}"),
+        }
     }
-}
 
-impl Layout {
     /// ORs field `i` of a block (value `v`, already masked) into the block's words.
     fn put(&self, block: &mut [u32], i: usize, v: u32) {
         let bit = self.bits * i;
@@ -71,7 +72,7 @@ impl Layout {
 /// `(values, words)` of one packing block: how many `bits`-wide fields fill how many 32-bit words
 /// (`(8, 1)` for 4 bits, `(32, 3)` for 3 bits). `qweight` has `K / values · words` rows.
 pub fn block_shape(bits: u8) -> Result<(usize, usize)> {
-    let lay = layout(bits)?;
+    let lay = BitLayout::of(bits)?;
     Ok((lay.vals, lay.words))
 }
 
@@ -87,8 +88,8 @@ fn check_codes(
     n: usize,
     bits: u8,
     at: impl Fn(usize) -> (usize, usize),
-) -> Result<Layout> {
-    let lay = layout(bits)?;
+) -> Result<BitLayout> {
+    let lay = BitLayout::of(bits)?;
     ensure!(
         k.is_multiple_of(lay.vals),
         "qweight packing needs K to be a multiple of {} for {bits}-bit codes, got K = {k}",
@@ -124,7 +125,7 @@ fn check_codes(
 
 /// Packs codes `[K, N]` into `qweight` `[K·bits/32, N]`, along K: for 2/4/8 bits
 /// `word[r][n] = Σ_i code[r·per + i][n] << (bits·i)` with `per = 32/bits`; 3 bits use three word
-/// rows per 32 code rows (see [`Layout`]).
+/// rows per 32 code rows (see [`BitLayout`]).
 pub fn pack_qweight(codes: &[u8], k: usize, n: usize, bits: u8) -> Result<Vec<i32>> {
     let lay = check_codes(codes, k, n, bits, |pos| (pos / n, pos % n))?;
     Ok(match bits {
@@ -137,7 +138,7 @@ pub fn pack_qweight(codes: &[u8], k: usize, n: usize, bits: u8) -> Result<Vec<i3
 
 /// [`pack_qweight`] through the general bit stream (fields may straddle words): the 3-bit path,
 /// and the reference the one-word paths are tested against.
-fn pack_kn_stream(lay: &Layout, codes: &[u8], k: usize, n: usize) -> Vec<i32> {
+fn pack_kn_stream(lay: &BitLayout, codes: &[u8], k: usize, n: usize) -> Vec<i32> {
     let mut words = vec![0i32; lay.packed_len(k) * n];
     words
         .par_chunks_mut((lay.words * n).max(1))
@@ -255,7 +256,7 @@ fn pack_nk_one_word<const BITS: usize>(
 
 /// Inverse of [`pack_qweight`]: `qweight` `[K·bits/32, N]` back to codes `[K, N]`.
 pub fn unpack_qweight(words: &[i32], k: usize, n: usize, bits: u8) -> Result<Vec<u8>> {
-    let lay = layout(bits)?;
+    let lay = BitLayout::of(bits)?;
     ensure!(
         k.is_multiple_of(lay.vals),
         "qweight unpacking needs K to be a multiple of {} for {bits}-bit codes, got K = {k}",
@@ -277,7 +278,7 @@ pub fn unpack_qweight(words: &[i32], k: usize, n: usize, bits: u8) -> Result<Vec
 
 /// [`unpack_qweight`] through the general bit stream: the 3-bit path, and the reference of the
 /// one-word paths.
-fn unpack_kn_stream(lay: &Layout, words: &[i32], k: usize, n: usize) -> Vec<u8> {
+fn unpack_kn_stream(lay: &BitLayout, words: &[i32], k: usize, n: usize) -> Vec<u8> {
     let mut codes = vec![0u8; k * n];
     codes
         .par_chunks_mut((lay.vals * n).max(1))
@@ -332,7 +333,7 @@ pub fn pack_qzeros(
     format: QuantFormat,
 ) -> Result<Vec<i32>> {
     let v1 = format.zeros_minus_one();
-    let lay = layout(bits)?;
+    let lay = BitLayout::of(bits)?;
     ensure!(
         n.is_multiple_of(lay.vals),
         "qzeros packing needs N to be a multiple of {} for {bits}-bit zeros, got N = {n}",
@@ -384,7 +385,7 @@ pub fn unpack_qzeros(
     format: QuantFormat,
 ) -> Result<Vec<u16>> {
     let v1 = format.zeros_minus_one();
-    let lay = layout(bits)?;
+    let lay = BitLayout::of(bits)?;
     ensure!(
         n.is_multiple_of(lay.vals),
         "qzeros unpacking needs N to be a multiple of {} for {bits}-bit zeros, got N = {n}",
@@ -723,7 +724,7 @@ mod tests {
     fn one_word_paths_equal_the_bit_stream() {
         let mut rng = SplitMix64::new(0x0b17);
         for bits in [2u8, 4, 8] {
-            let lay = layout(bits).unwrap();
+            let lay = BitLayout::of(bits).unwrap();
             for (k, n) in [(32, 1), (64, 96), (256, 130)] {
                 let codes: Vec<u8> = (0..k * n).map(|_| rng.below(1 << bits) as u8).collect();
                 let stream = pack_kn_stream(&lay, &codes, k, n);

@@ -11,8 +11,7 @@
 pub mod tokenizer;
 
 use crate::checkpoint::guard::InputPath;
-use crate::checkpoint::writer::{self, OutputDir, TensorSpec};
-use crate::checkpoint::Dtype;
+use crate::checkpoint::{files, manifest, shards, Dtype, OutputDir, TensorSpec};
 use crate::model::llama::LlamaConfig;
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use candle_core::quantized::gguf_file::{Content, Value};
@@ -587,7 +586,7 @@ pub fn import_gguf(opts: &ImportOptions) -> Result<ImportReport> {
     }
     let report = ImportReport {
         source: path.display().to_string(),
-        source_sha256: writer::sha256_file(path)?,
+        source_sha256: manifest::sha256_file(path)?,
         source_bytes: meta.len(),
         general,
         architecture: cfg.family.architecture().to_string(),
@@ -606,7 +605,7 @@ pub fn import_gguf(opts: &ImportOptions) -> Result<ImportReport> {
     };
     let mut rec = serde_json::to_value(&report)?;
     rec["tool"] = format!("soar-gptq {}", env!("CARGO_PKG_VERSION")).into();
-    writer::write_file(&dir.join("gguf_import.json"), to_json(&rec).as_bytes())?;
+    files::write_file(&dir.join("gguf_import.json"), to_json(&rec).as_bytes())?;
     out.commit()?;
     Ok(report)
 }
@@ -671,7 +670,7 @@ fn write_tensors(
         "the tensors",
     )?;
     let pb = crate::progress::bar(specs.len() as u64, "import");
-    writer::write_sharded(dir, &specs, shard_bytes, |spec, w| {
+    shards::write_sharded(dir, &specs, shard_bytes, |spec, w| {
         let planned = plan
             .iter()
             .find(|p| p.0 == spec.name)
@@ -729,18 +728,18 @@ fn write_configs(
     tok: &tokenizers::Tokenizer,
     cfg: &LlamaConfig,
 ) -> Result<()> {
-    writer::write_file(&dir.join("config.json"), to_json(cfg_json).as_bytes())?;
+    files::write_file(&dir.join("config.json"), to_json(cfg_json).as_bytes())?;
     let mut gen = serde_json::json!({});
     set_special_ids(&mut gen, vocab);
-    writer::write_file(
+    files::write_file(
         &dir.join("generation_config.json"),
         to_json(&gen).as_bytes(),
     )?;
     let tok_json = tok
         .to_string(true)
         .map_err(|e| anyhow!("cannot serialize the tokenizer: {e}"))?;
-    writer::write_file(&dir.join("tokenizer.json"), tok_json.as_bytes())?;
-    writer::write_file(
+    files::write_file(&dir.join("tokenizer.json"), tok_json.as_bytes())?;
+    files::write_file(
         &dir.join("tokenizer_config.json"),
         to_json(&vocab.tokenizer_config(cfg.max_position_embeddings)).as_bytes(),
     )?;

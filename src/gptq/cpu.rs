@@ -34,16 +34,14 @@ pub(super) fn factorize(h: &Tensor, k: usize, opts: &SolveOptions) -> Result<Fac
     }
     let (u, damp_used) =
         inverse_cholesky_upper(&h, k, &perm, opts.damp, opts.factor, &opts.module)?;
-    Ok(Factorization {
-        k,
+    Ok(Factorization::new(
+        FactorData::Cpu(u),
         dead,
         perm,
         damp_used,
-        seconds: t.elapsed().as_secs_f64(),
-        act_order: opts.act_order,
-        u: FactorData::Cpu(u),
-        correction: None,
-    })
+        opts.act_order,
+        t,
+    ))
 }
 
 /// Round-to-nearest with the same quantizer and groups in natural order, no error feedback.

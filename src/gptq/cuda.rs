@@ -1,6 +1,6 @@
 //! The GPTQ solve on a CUDA device (feature `cuda`), the twin of `solver.rs`: the same
 //! [`SolvePlan`], the same steps, on the raw kernels and cuBLAS/cuSOLVER calls of
-//! `crate::kernels::cuda`:
+//! `crate::kernels`:
 //!
 //! * [`factorize`]: the damped, permuted Hessian in f64, its Cholesky factor (`potrf`) and the
 //!   inverse of that factor by a recursive blocked triangular inverse, with the damping
@@ -27,10 +27,11 @@ use super::types::{
     check_finite_one, dead_columns_and_order, not_positive_definite, FactorData, Factorization,
     QuantizedLinear, SolveOptions, SolveTimings,
 };
-use crate::kernels::cuda::{
-    blocks, codes_to_host, count_nonfinite, cublas_ok, cuda, cusolver_ok, diagonal, launch,
-    launch_cfg, lower_inverse, slice_ptr, solver_handle, tensor_ptr, upload, wrap, Real, Trace,
-};
+use crate::kernels::blas::{by_real, cublas_ok, cusolver_ok, lower_inverse, solver_handle, Real};
+use crate::kernels::cuda::{blocks, cuda, launch, launch_cfg, slice_ptr, tensor_ptr, upload, wrap};
+use crate::kernels::trace::Trace;
+use crate::kernels::transfer::codes_to_host;
+use crate::kernels::xtx::{count_nonfinite, diagonal};
 use crate::scheme::FactorPrecision;
 
 /// The factorization of a Hessian on its GPU (the twin of `solver::factorize`): dead columns,
@@ -58,16 +59,14 @@ pub(super) fn factorize(h: &Tensor, opts: &SolveOptions) -> Result<Factorization
     let (u, damp_used) =
         inverse_cholesky_upper(dev, &h, k, &perm, opts.damp, mean_diag, opts.factor, module)?;
     stream.synchronize()?;
-    Ok(Factorization {
-        k,
+    Ok(Factorization::new(
+        FactorData::Cuda(wrap(u, dev, &[k, k])),
         dead,
         perm,
         damp_used,
-        seconds: t.elapsed().as_secs_f64(),
-        act_order: opts.act_order,
-        u: FactorData::Cuda(wrap(u, dev, &[k, k])),
-        correction: None,
-    })
+        opts.act_order,
+        t,
+    ))
 }
 
 /// U with `H⁻¹ = UᵀU`, row-major f32 `[K, K]`, of `H` permuted by `perm` and damped (the same
@@ -154,24 +153,19 @@ impl Cholesky<'_> {
         let mut lwork = 0i32;
         cusolver_ok(
             unsafe {
-                match self.real {
-                    Real::F64 => cusolver::cusolverDnDpotrf_bufferSize(
+                by_real!(
+                    self.real,
+                    cusolver::cusolverDnDpotrf_bufferSize,
+                    cusolver::cusolverDnSpotrf_bufferSize,
+                    |R| (
                         self.solver.cu(),
                         lower,
                         k as i32,
-                        ap as *mut f64,
+                        ap as *mut R,
                         k as i32,
-                        &mut lwork,
-                    ),
-                    Real::F32 => cusolver::cusolverDnSpotrf_bufferSize(
-                        self.solver.cu(),
-                        lower,
-                        k as i32,
-                        ap as *mut f32,
-                        k as i32,
-                        &mut lwork,
-                    ),
-                }
+                        &mut lwork
+                    )
+                )
             },
             "potrf_bufferSize",
         )?;
@@ -196,28 +190,21 @@ impl Cholesky<'_> {
         let (k, lower) = (self.k, cusolver::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER);
         cusolver_ok(
             unsafe {
-                match self.real {
-                    Real::F64 => cusolver::cusolverDnDpotrf(
+                by_real!(
+                    self.real,
+                    cusolver::cusolverDnDpotrf,
+                    cusolver::cusolverDnSpotrf,
+                    |R| (
                         self.solver.cu(),
                         lower,
                         k as i32,
-                        ap as *mut f64,
+                        ap as *mut R,
                         k as i32,
-                        work_p as *mut f64,
+                        work_p as *mut R,
                         lwork,
-                        info_p as *mut i32,
-                    ),
-                    Real::F32 => cusolver::cusolverDnSpotrf(
-                        self.solver.cu(),
-                        lower,
-                        k as i32,
-                        ap as *mut f32,
-                        k as i32,
-                        work_p as *mut f32,
-                        lwork,
-                        info_p as *mut i32,
-                    ),
-                }
+                        info_p as *mut i32
+                    )
+                )
             },
             "potrf",
         )

@@ -125,7 +125,7 @@ impl HessianAccumulator {
         if x.device().is_cuda() && matches!(x.dtype(), DType::BF16 | DType::F16) {
             // Tensor cores with f32 accumulation (docs/decisions.md, Precision).
             // Only the blocks on and above the diagonal, in place (`full_xtx` mirrors them).
-            crate::kernels::cuda::xtx_add_upper(&self.xtx, &x)?;
+            crate::kernels::xtx::xtx_add_upper(&self.xtx, &x)?;
             self.upper_blocks = true;
             self.tokens += rows as u64;
             return Ok(());
@@ -172,7 +172,7 @@ impl HessianAccumulator {
             // The difference in f32, then both operands in the input dtype on tensor cores with
             // f32 accumulation, like XᵀX.
             let d = (x_fp.to_dtype(DType::F32)? - x.to_dtype(DType::F32)?)?.to_dtype(x.dtype())?;
-            self.cross = Some(crate::kernels::cuda::atb_add(&cross, &d, &x)?);
+            self.cross = Some(crate::kernels::xtx::atb_add(&cross, &d, &x)?);
             return Ok(());
         }
         let mut start = 0;
@@ -243,7 +243,7 @@ impl HessianAccumulator {
     fn full_xtx(&self) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if self.upper_blocks {
-            return crate::kernels::cuda::mirror_upper_blocks(&self.xtx);
+            return crate::kernels::xtx::mirror_upper_blocks(&self.xtx);
         }
         Ok(self.xtx.clone())
     }

@@ -1,6 +1,8 @@
 //! What the two solver backends share (`cpu.rs`, `cuda.rs`): the options of a solve, the
 //! factorization of a Hessian, the quantized result, and the checks both make the same way.
 
+use std::time::Instant;
+
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
@@ -139,6 +141,29 @@ pub struct Factorization {
 }
 
 impl Factorization {
+    /// What a backend's factorization made: `u` (of H permuted by `perm` and damped by
+    /// `damp_used`), the `dead` columns and the processing order `perm` for `act_order`, timed
+    /// from `started`; no GPTAQ correction yet ([`Factorization::with_gptaq`] adds it).
+    pub(crate) fn new(
+        u: FactorData,
+        dead: Vec<usize>,
+        perm: Vec<usize>,
+        damp_used: f64,
+        act_order: ActOrder,
+        started: Instant,
+    ) -> Self {
+        Self {
+            k: perm.len(),
+            dead,
+            perm,
+            damp_used,
+            seconds: started.elapsed().as_secs_f64(),
+            act_order,
+            u,
+            correction: None,
+        }
+    }
+
     /// `U` as a row-major `[K, K]` f32 tensor on the factor's device (processing order).
     pub(crate) fn u_tensor(&self) -> Result<Tensor> {
         Ok(match &self.u {

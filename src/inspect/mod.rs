@@ -4,7 +4,7 @@
 
 pub mod quantized;
 
-use crate::checkpoint::writer::{verify_manifest, MANIFEST_FILE};
+use crate::checkpoint::manifest::{verify_manifest, MANIFEST_FILE};
 use crate::checkpoint::Checkpoint;
 use crate::model::{AnyConfig, MixerKind};
 use anyhow::{bail, Result};

@@ -6,7 +6,7 @@
 //! `gptq_marlin` for the checkpoint (docs/engines.md, What each engine builds) and, if not, why.
 //! Any failed check is an error (exit 1); not being eligible for `gptq_marlin` is not.
 
-use crate::checkpoint::writer::{verify_manifest, MANIFEST_FILE};
+use crate::checkpoint::manifest::{verify_manifest, MANIFEST_FILE};
 use crate::checkpoint::Checkpoint;
 use crate::format::marlin::{
     check_marlin_shape, gptq_codes_to_marlin, marlin_group_ok, marlin_to_gptq_codes, pack_marlin,

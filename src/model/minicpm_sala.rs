@@ -381,7 +381,7 @@ fn lightning_consts(cfg: &Config) -> Result<LayerConsts> {
 
 /// Dense causal GQA attention of a sparse layer: `q` `[B, T, H, D]`, `k`, `v` `[B, T, KV, D]`
 /// (after RoPE) → `[B, T, H·D]` in q's dtype. On a GPU, for BF16 tensors no gradient flows
-/// through (and not `differentiable`), the fused kernel (`kernels::cuda::flash_attention_causal`,
+/// through (and not `differentiable`), the fused kernel (`kernels::flash::flash_attention_causal`,
 /// feature `cuda`: f32 softmax and accumulation, P rounded to BF16 for P·V); elsewhere
 /// [`sparse_attention_composed`], its CPU twin (docs/gpu.md, Fused attention).
 pub fn sparse_attention(
@@ -392,7 +392,7 @@ pub fn sparse_attention(
 ) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     {
-        use crate::kernels::cuda;
+        use crate::kernels::flash;
         let (b, t, _, d) = q.dims4()?;
         let untracked = !(q.track_op() || k.track_op() || v.track_op());
         let bf16 = [q.dtype(), k.dtype(), v.dtype()] == [DType::BF16; 3];
@@ -401,9 +401,9 @@ pub fn sparse_attention(
             && untracked
             && bf16
             && b * t > 0
-            && cuda::flash_attention_supports(d)
+            && flash::flash_attention_supports(d)
         {
-            return cuda::flash_attention_causal(q, k, v, (1.0 / (d as f64).sqrt()) as f32);
+            return flash::flash_attention_causal(q, k, v, (1.0 / (d as f64).sqrt()) as f32);
         }
     }
     sparse_attention_composed(q, k, v, differentiable)

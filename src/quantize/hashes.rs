@@ -3,7 +3,7 @@
 //! `--resume`; the report records them.
 
 use super::Recorded;
-use crate::checkpoint::writer::{self, sha256_file};
+use crate::checkpoint::manifest::{self, sha256_file};
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -34,7 +34,7 @@ impl Hashes {
             config_sha256: sha256_file(&src_dir.join("config.json"))?,
             source_sha256,
             calibration_sha256: calibration_sha256.to_string(),
-            settings_sha256: writer::hex(&Sha256::digest(&settings_json)),
+            settings_sha256: manifest::hex(&Sha256::digest(&settings_json)),
             tool_version: env!("CARGO_PKG_VERSION").to_string(),
         })
     }

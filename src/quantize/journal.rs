@@ -7,8 +7,8 @@
 use super::hashes::Hashes;
 use super::report::ModuleRow;
 use super::settings::{flag_name, Recorded};
-use crate::checkpoint::writer::{self, sha256_file, TensorSpec};
-use crate::checkpoint::{Checkpoint, Dtype};
+use crate::checkpoint::manifest::{self, sha256_file};
+use crate::checkpoint::{files, shards, Checkpoint, Dtype, TensorSpec};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -49,7 +49,7 @@ impl SourceChecks {
         let handle = std::thread::spawn(move || {
             let t = std::time::Instant::now();
             let ck = Checkpoint::open(&dir)?;
-            let (finite, sums) = rayon::join(|| ck.check_finite(), || writer::shard_sha256(&ck));
+            let (finite, sums) = rayon::join(|| ck.check_finite(), || manifest::shard_sha256(&ck));
             finite?;
             let sums = sums?;
             crate::source::verify_shards(&dir, &sums)?;
@@ -141,7 +141,7 @@ impl Journal {
     /// Written to a temporary file and renamed, so a crash never leaves a torn journal.
     pub fn save(&self, dir: &Path) -> Result<()> {
         let text = serde_json::to_string_pretty(self)?;
-        writer::write_atomic(&dir.join(JOURNAL_FILE), |tmp| {
+        files::write_atomic(&dir.join(JOURNAL_FILE), |tmp| {
             Ok(std::fs::write(tmp, &text)?)
         })
         .with_context(|| format!("cannot update the journal in {}", dir.display()))
@@ -311,7 +311,7 @@ pub fn write_layer_file(
             data.insert(full, bytes);
         }
     }
-    let files = writer::write_sharded(&sub, &specs, u64::MAX, |spec, w| {
+    let files = shards::write_sharded(&sub, &specs, u64::MAX, |spec, w| {
         w.write_all(&data[&spec.name])?;
         Ok(())
     })?;

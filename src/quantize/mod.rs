@@ -22,8 +22,7 @@ mod stream;
 
 use crate::calib::{self, CalibSet, CalibSpec, ChatFormat};
 use crate::checkpoint::guard::{self, InputPath};
-use crate::checkpoint::writer::{self, OutputDir, TensorSpec};
-use crate::checkpoint::{Checkpoint, Dtype};
+use crate::checkpoint::{files, manifest, output_dir, Checkpoint, Dtype, OutputDir, TensorSpec};
 use crate::engine::{self, config::ConfigEdits, Engine};
 use crate::model::AnyConfig;
 use crate::source::ModelSource;
@@ -35,7 +34,7 @@ use layers::store::Residency;
 use plan::Plan;
 pub use report::{ModuleRow, QuantizeReport};
 pub use settings::{Compute, Method, Recorded, Settings};
-use stages::{MemoryPlan, Preflight, Stages};
+use stages::{MemoryPlan, Preflight, StageSeconds};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -69,7 +68,7 @@ fn side_inputs(s: &Settings, calib: &[CalibSpec]) -> Vec<InputPath> {
 fn hessian_guard(s: &Settings, inputs: &[InputPath]) -> Vec<InputPath> {
     let mut all = inputs.to_vec();
     all.push(InputPath::new("--out", &s.out));
-    all.push(InputPath::new("--out", writer::partial_path(&s.out)));
+    all.push(InputPath::new("--out", output_dir::partial_path(&s.out)));
     all
 }
 
@@ -131,7 +130,7 @@ struct Run<'a> {
 
 /// The shard stream's result once the layer loop has ended, and when the loop ended.
 struct Streamed {
-    shards: Result<Vec<writer::HashedFile>>,
+    shards: Result<Vec<manifest::HashedFile>>,
     t_write: Instant,
 }
 
@@ -149,11 +148,11 @@ pub fn quantize(s: &Settings) -> Result<QuantizeReport> {
     let mut journal = run.open_journal(&out, &calib, &mut checks)?;
     #[cfg(feature = "cuda")]
     if run.compute.device.is_cuda() {
-        crate::kernels::cuda::keep_pool_memory(&run.compute.device)?;
+        crate::kernels::memory::keep_pool_memory(&run.compute.device)?;
     }
-    let mut stages = Stages {
+    let mut stages = StageSeconds {
         setup: t0.elapsed().as_secs_f64(),
-        ..Stages::default()
+        ..StageSeconds::default()
     };
     let streamed = run.quantize_layers(
         &mut out,
@@ -190,7 +189,12 @@ impl<'a> Run<'a> {
         // hub model, against its folder in the cache); again below with the resolved files.
         let mut inputs = side_inputs(s, &calib);
         inputs.push(InputPath::new("--model", s.source.local_path()));
-        guard::check_output("--out", &s.out, &[writer::partial_path(&s.out)], &inputs)?;
+        guard::check_output(
+            "--out",
+            &s.out,
+            &[output_dir::partial_path(&s.out)],
+            &inputs,
+        )?;
         if let Some(dir) = &s.save_hessians {
             check_hessian_dir(dir, s, &inputs)?;
         }
@@ -205,7 +209,7 @@ impl<'a> Run<'a> {
         let settings = Recorded::new(s, &compute, calib, &plan, sparse_path);
         let src_config = read_config(&src.dir)?;
         let specs = output_specs(&cfg, &ck, &plan)?;
-        let side = writer::side_files(&src.dir)?;
+        let side = files::side_files(&src.dir)?;
         let run = Self {
             s,
             compute,
@@ -407,7 +411,7 @@ impl<'a> Run<'a> {
         calib: &CalibSet,
         residency: Residency,
         journal: &mut Journal,
-        stages: &mut Stages,
+        stages: &mut StageSeconds,
         checks: &mut SourceChecks,
     ) -> Result<Streamed> {
         let (result, streamed) = self.layer_loop(out, calib, residency, journal, stages, checks);
@@ -450,7 +454,7 @@ impl<'a> Run<'a> {
         calib: &CalibSet,
         residency: Residency,
         journal: &mut Journal,
-        stages: &mut Stages,
+        stages: &mut StageSeconds,
         checks: &mut SourceChecks,
     ) -> (Result<()>, Streamed) {
         let out_dir = out.path().to_path_buf();
@@ -468,7 +472,7 @@ impl<'a> Run<'a> {
                 ck: &self.ck,
                 windows: &calib.windows,
                 plan: &self.plan,
-                layout: self.s.layout(),
+                format: self.s.format(),
                 quant: self.s.quant_params(),
                 jdir: &jdir,
                 feed: &feed,
@@ -494,7 +498,7 @@ impl<'a> Run<'a> {
         out: &mut OutputDir,
         journal: &Journal,
         calib: &CalibSet,
-        shards: Result<Vec<writer::HashedFile>>,
+        shards: Result<Vec<manifest::HashedFile>>,
         timing: Timing,
     ) -> Result<QuantizeReport> {
         let shards = shards?;
@@ -524,10 +528,10 @@ impl<'a> Run<'a> {
             gpu_memory: None,
         };
         let card = card::model_card(&report, verify.as_ref());
-        writer::write_file(&out.path().join("README.md"), card.as_bytes())?;
+        files::write_file(&out.path().join("README.md"), card.as_bytes())?;
         timing.record(&mut report, journal, &self.compute.device)?;
         let json = serde_json::to_string_pretty(&report)?;
-        writer::write_file(&out.path().join("quantize_report.json"), json.as_bytes())?;
+        files::write_file(&out.path().join("quantize_report.json"), json.as_bytes())?;
         Ok(report)
     }
 
@@ -539,7 +543,7 @@ impl<'a> Run<'a> {
         out: &mut OutputDir,
         journal: &Journal,
         calib: &CalibSet,
-        shards: &[writer::HashedFile],
+        shards: &[manifest::HashedFile],
     ) -> Result<(ConfigEdits, Option<engine::EngineCheck>)> {
         let damp_max = journal
             .layers
@@ -630,7 +634,7 @@ impl<'a> Run<'a> {
 struct Timing {
     t0: Instant,
     t_write: Instant,
-    stages: Stages,
+    stages: StageSeconds,
     preflight: Preflight,
 }
 
@@ -742,7 +746,7 @@ fn memory_plan(p: &Preflight, opts: &Settings, device: &Device) -> Result<stages
     let device_free = if cuda {
         #[cfg(feature = "cuda")]
         {
-            crate::kernels::cuda::memory_free(device).ok()
+            crate::kernels::memory::memory_free(device).ok()
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -845,7 +849,7 @@ fn planned_view(
         "quantize_config.json",
         crate::checkpoint::reader::INDEX_FILE,
         "README.md",
-        writer::MANIFEST_FILE,
+        manifest::MANIFEST_FILE,
     ] {
         files.insert(f.to_string());
     }
@@ -890,17 +894,17 @@ fn planned_view(
 fn write_files(
     out: &mut OutputDir,
     src_dir: &Path,
-    shards: &[writer::HashedFile],
+    shards: &[manifest::HashedFile],
     config: &serde_json::Value,
     side: &[String],
 ) -> Result<()> {
     let dir = out.path().to_path_buf();
     out.record_hashed(shards);
-    writer::write_file(
+    files::write_file(
         &dir.join("config.json"),
         serde_json::to_string_pretty(config)?.as_bytes(),
     )?;
-    writer::write_file(
+    files::write_file(
         &dir.join("quantize_config.json"),
         serde_json::to_string_pretty(&config["quantization_config"])?.as_bytes(),
     )?;

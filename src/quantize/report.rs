@@ -93,7 +93,7 @@ pub struct QuantizeReport {
     /// The engine's load emulated on the written files.
     pub engine_check: Option<crate::engine::EngineCheck>,
     /// Seconds per stage and the Hessian FLOPs (all layers).
-    pub stages: Option<super::stages::Stages>,
+    pub stages: Option<super::stages::StageSeconds>,
     /// The estimate printed before the run.
     pub preflight: Option<super::stages::Preflight>,
     /// GPU memory actually used (CUDA runs).

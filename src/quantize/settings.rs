@@ -9,7 +9,7 @@
 
 use super::plan::Plan;
 use crate::calib::{CalibSpec, SeqLen};
-use crate::checkpoint::writer::DEFAULT_SHARD_BYTES;
+use crate::checkpoint::shards::DEFAULT_SHARD_BYTES;
 use crate::device::DeviceArgs;
 use crate::engine::Engine;
 use crate::format::quantized::GptqConfig;
@@ -199,9 +199,9 @@ impl Settings {
         self.calib.iter().map(|c| CalibSpec::parse(c)).collect()
     }
 
-    /// The layout the output is written in: symmetric zeros fit GPTQ v1 (what every engine
+    /// The format the output is written in: symmetric zeros fit GPTQ v1 (what every engine
     /// reads); asymmetric ones may be 0, which only v2 stores.
-    pub fn layout(&self) -> QuantFormat {
+    pub fn format(&self) -> QuantFormat {
         if self.sym {
             QuantFormat::GptqV1
         } else {
@@ -289,7 +289,7 @@ pub fn resolve_factor_precision(p: FactorPrecision, device: &Device) -> Result<F
     }
     #[cfg(feature = "cuda")]
     {
-        let ratio = crate::kernels::cuda::fp32_to_fp64_ratio(device)?;
+        let ratio = crate::kernels::memory::fp32_to_fp64_ratio(device)?;
         Ok(if ratio > 8 {
             FactorPrecision::F32
         } else {
@@ -446,7 +446,7 @@ impl Recorded {
             sym: f.sym,
             desc_act: f.act_order.desc_act(),
             static_groups: f.act_order.static_groups(),
-            format: f.layout(),
+            format: f.format(),
             damp_percent: f.damp,
             true_sequential: f.true_sequential,
             dynamic: plan.dynamic(&f.skip)?,

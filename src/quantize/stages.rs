@@ -10,7 +10,7 @@ use std::time::Instant;
 
 /// Seconds per stage, summed over layers.
 #[derive(Debug, Clone, Default, Serialize)]
-pub struct Stages {
+pub struct StageSeconds {
     /// From the start of the command to the first layer: resolving and opening the source,
     /// the checks, the engine pre-check, the calibration windows (and, for `--resume`, waiting
     /// for the source checks).
@@ -53,7 +53,7 @@ pub struct Stages {
     pub hessian_flops: f64,
 }
 
-impl Stages {
+impl StageSeconds {
     /// Achieved rate of the Hessian stage in TFLOP/s.
     pub fn hessian_tflops(&self) -> f64 {
         if self.hessians > 0.0 {
@@ -359,7 +359,7 @@ fn effective_rates(device: &Device, dtype: DType) -> ((f64, f64, f64, f64), f64,
     if device.is_cuda() {
         let fwd = if dtype == DType::F32 { 30.0 } else { 330.0 };
         // Full-matrix FLOPs per second: only the blocks on and above the diagonal are
-        // computed (kernels::cuda::xtx_add_upper).
+        // computed (kernels::xtx::xtx_add_upper).
         let xtx = if dtype == DType::F32 { 40.0 } else { 1200.0 };
         ((fwd, xtx, 25.0, 0.53), 2.6e11, 24e12)
     } else {
@@ -537,8 +537,8 @@ impl MemoryPlan {
 pub fn gpu_memory(device: &Device) -> Result<Option<(u64, u64, u64)>> {
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
-        let (used, reserved) = crate::kernels::cuda::pool_high_water(device)?;
-        let now = crate::kernels::cuda::memory_in_use(device)?;
+        let (used, reserved) = crate::kernels::memory::pool_high_water(device)?;
+        let now = crate::kernels::memory::memory_in_use(device)?;
         return Ok(Some((used, reserved, now)));
     }
     let _ = device;

@@ -2,17 +2,17 @@
 //! thread beside the layer loop walks the output's tensors in file order, copying the source's
 //! tensors (embedding, norms, head, Linears kept in 16 bits) as soon as it reaches them and each
 //! quantized Linear's tensors as soon as its layer is in the journal. Shards are hashed while
-//! they are written, and their disk writeback is started every [`writer::WRITEBACK_EVERY`]
+//! they are written, and their disk writeback is started every [`shards::WRITEBACK_EVERY`]
 //! bytes, so when the last layer is done only its tensors and the trailing source tensors are
 //! left to write.
 //!
-//! The shards are byte-identical to what [`writer::write_sharded`] writes from the finished
+//! The shards are byte-identical to what [`shards::write_sharded`] writes from the finished
 //! journal (the layout is fixed by the tensor list alone), so a resumed run, which hands the
 //! layers it replays to the stream first, writes the same files.
 
 use super::journal::{self, JournalLayer};
-use crate::checkpoint::writer::{self, HashedFile, TensorSpec};
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::manifest::HashedFile;
+use crate::checkpoint::{shards, Checkpoint, TensorSpec};
 use anyhow::{anyhow, bail, Context, Result};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -74,7 +74,7 @@ pub fn channel() -> (StreamFeed, StreamInput) {
     )
 }
 
-/// Writes the shards of `specs` into `dir` (as [`writer::write_sharded`] would, with
+/// Writes the shards of `specs` into `dir` (as [`shards::write_sharded`] would, with
 /// `max_shard_bytes`), taking each tensor from the source checkpoint `ck` or, for a quantized
 /// Linear, from its layer's journal file in `jdir` once `layers` has delivered that layer.
 /// Returns the shards, hashed as written. Ends with an error when `layers` closes before a
@@ -105,11 +105,11 @@ fn write_from(
     // Layer files delivered and not yet used up, by layer index.
     let mut open: BTreeMap<usize, Checkpoint> = BTreeMap::new();
     let mut last_layer = None;
-    writer::write_sharded_synced(
+    shards::write_sharded_synced(
         dir,
         specs,
         max_shard_bytes,
-        Some(writer::WRITEBACK_EVERY),
+        Some(shards::WRITEBACK_EVERY),
         |spec, w| {
             if ck.contains(&spec.name) {
                 w.write_all(ck.bytes(&spec.name)?)?;
@@ -176,7 +176,7 @@ mod tests {
             TensorSpec::new("model.embed_tokens.weight", Dtype::BF16, vec![32, 64]),
             TensorSpec::new("model.norm.weight", Dtype::BF16, vec![32]),
         ];
-        writer::write_sharded(&src, &src_specs, u64::MAX, |s, w| {
+        shards::write_sharded(&src, &src_specs, u64::MAX, |s, w| {
             w.write_all(if s.name.contains("embed") {
                 &emb
             } else {
@@ -225,7 +225,7 @@ mod tests {
             .iter()
             .map(|e| (e.index, journal::open_layer_file(&jdir, e).unwrap()))
             .collect();
-        let want = writer::write_sharded(&serial_dir, &specs, max, |s, w| {
+        let want = shards::write_sharded(&serial_dir, &specs, max, |s, w| {
             let bytes = if ck.contains(&s.name) {
                 ck.bytes(&s.name)?
             } else {

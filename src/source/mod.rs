@@ -7,7 +7,7 @@
 
 pub mod remote_code;
 
-use crate::checkpoint::writer::{is_side_file, SIDE_FILES};
+use crate::checkpoint::files::{is_side_file, SIDE_FILES};
 use anyhow::{anyhow, bail, Context, Result};
 use hf_hub::{Cache, Repo, RepoType};
 use std::path::{Path, PathBuf};

@@ -20,7 +20,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor};
 use half::bf16;
 use rayon::prelude::*;
-use soar_gptq::kernels::{cuda, infllm as ginf};
+use soar_gptq::kernels::{flash, infllm as ginf};
 use soar_gptq::model::infllm::{self, InfllmV2};
 use soar_gptq::rng::SplitMix64;
 
@@ -825,7 +825,8 @@ fn full_selection_equals_the_dense_kernel() {
             assert_eq!(&sv[r * nb..][..nb], want.as_slice(), "row {r}");
         }
         let dense = f32_vec(
-            &cuda::flash_attention_causal(&qg, &kg, &vg, (1.0 / (D as f64).sqrt()) as f32).unwrap(),
+            &flash::flash_attention_causal(&qg, &kg, &vg, (1.0 / (D as f64).sqrt()) as f32)
+                .unwrap(),
         );
         for bm in [64, 128] {
             let got = f32_vec(&ginf::attend_tiled(&qg, &kg, &vg, &sel, 64, bm).unwrap());
@@ -883,7 +884,7 @@ fn pipeline_time_at_49152() {
     let (ta, o64) = time(&|| ginf::attend_tiled(&qg, &kg, &vg, &sel, 64, 64).unwrap());
     let (ta128, o128) = time(&|| ginf::attend_tiled(&qg, &kg, &vg, &sel, 64, 128).unwrap());
     let scale = (1.0 / (D as f64).sqrt()) as f32;
-    let (td, _) = time(&|| cuda::flash_attention_causal(&qg, &kg, &vg, scale).unwrap());
+    let (td, _) = time(&|| flash::flash_attention_causal(&qg, &kg, &vg, scale).unwrap());
     let kk = cfg.k(t);
     // FLOPs actually multiplied: stage 1 over the visible K2 windows and the K1 columns of
     // pooled blocks of rows with qb ≥ K; stage 2 over the selected keys (≤ i).

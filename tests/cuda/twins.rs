@@ -580,7 +580,7 @@ fn attention_operands(
 /// 4, every head dimension the kernel has (128 is the model's and the fixture's).
 #[test]
 fn fused_causal_attention_matches_the_composed_cpu_form() {
-    use soar_gptq::kernels::cuda;
+    use soar_gptq::kernels::flash;
     use soar_gptq::model::minicpm_sala::{sparse_attention, sparse_attention_composed};
     let Some(dev) = gpu() else { return };
     let mut rng = SplitMix64::new(31);
@@ -641,11 +641,11 @@ fn fused_causal_attention_matches_the_composed_cpu_form() {
             ),
             (
                 "64-row tiles",
-                cuda::flash_attention_causal_tiled(&qg, &kg, &vg, scale_qk, 64).unwrap(),
+                flash::flash_attention_causal_tiled(&qg, &kg, &vg, scale_qk, 64).unwrap(),
             ),
             (
                 "128-row tiles",
-                cuda::flash_attention_causal_tiled(&qg, &kg, &vg, scale_qk, 128).unwrap(),
+                flash::flash_attention_causal_tiled(&qg, &kg, &vg, scale_qk, 128).unwrap(),
             ),
         ] {
             let got = to_cpu_f32(got);
@@ -672,7 +672,7 @@ fn fused_causal_attention_matches_the_composed_cpu_form() {
 #[test]
 #[ignore]
 fn attention_speed() {
-    use soar_gptq::kernels::cuda;
+    use soar_gptq::kernels::flash;
     use soar_gptq::model::minicpm_sala::{sparse_attention, sparse_attention_composed};
     let Some(dev) = gpu() else { return };
     let mut rng = SplitMix64::new(32);
@@ -711,7 +711,7 @@ fn attention_speed() {
         for bm in [64, 128] {
             report(
                 &format!("fused {bm}-row tiles"),
-                time(&|| cuda::flash_attention_causal_tiled(&q, &k, &v, scale, bm).unwrap()),
+                time(&|| flash::flash_attention_causal_tiled(&q, &k, &v, scale, bm).unwrap()),
             );
         }
     }

@@ -137,13 +137,13 @@ pub fn rewrite_tensors(
     for n in ck.names() {
         out.extend(f(n, &ck));
     }
-    let specs: Vec<soar_gptq::checkpoint::writer::TensorSpec> = out
+    let specs: Vec<soar_gptq::checkpoint::shards::TensorSpec> = out
         .iter()
         .map(|(n, d, s, _)| {
-            soar_gptq::checkpoint::writer::TensorSpec::new(n.clone(), *d, s.clone())
+            soar_gptq::checkpoint::shards::TensorSpec::new(n.clone(), *d, s.clone())
         })
         .collect();
-    soar_gptq::checkpoint::writer::write_sharded(dst, &specs, u64::MAX, |spec, w| {
+    soar_gptq::checkpoint::shards::write_sharded(dst, &specs, u64::MAX, |spec, w| {
         let t = out.iter().find(|t| t.0 == spec.name).unwrap();
         std::io::Write::write_all(w, &t.3)?;
         Ok(())

@@ -3,7 +3,9 @@
 //! inspect (manifest corruption, gptq_marlin eligibility, fused groups, validation errors).
 
 use serde_json::{json, Value};
-use soar_gptq::checkpoint::writer::{partial_path, write_manifest, write_sharded, TensorSpec};
+use soar_gptq::checkpoint::manifest::write_manifest;
+use soar_gptq::checkpoint::output_dir::partial_path;
+use soar_gptq::checkpoint::shards::{write_sharded, TensorSpec};
 use soar_gptq::checkpoint::{Checkpoint, Dtype};
 use soar_gptq::engine::Engine;
 use soar_gptq::format::{

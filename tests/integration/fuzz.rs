@@ -7,7 +7,7 @@
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, FileFailurePersistence, RngSeed};
-use soar_gptq::checkpoint::writer::{write_sharded, TensorSpec};
+use soar_gptq::checkpoint::shards::{write_sharded, TensorSpec};
 use soar_gptq::checkpoint::{Checkpoint, Dtype};
 use std::path::Path;
 

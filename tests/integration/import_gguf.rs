@@ -317,14 +317,14 @@ fn a_llama_gguf_comes_back_as_its_checkpoint() {
     assert_fails(&import(&gguf, &out, &[]), 1, "already exists");
     assert_ok(&import(&gguf, &out, &["--force"]));
     // The folder that holds the .gguf is never an output, --force or not.
-    let sha = soar_gptq::checkpoint::writer::sha256_file(&gguf).unwrap();
+    let sha = soar_gptq::checkpoint::manifest::sha256_file(&gguf).unwrap();
     assert_fails(
         &import(&gguf, tmp.path(), &["--force"]),
         1,
         "contains the input --gguf",
     );
     assert_eq!(
-        soar_gptq::checkpoint::writer::sha256_file(&gguf).unwrap(),
+        soar_gptq::checkpoint::manifest::sha256_file(&gguf).unwrap(),
         sha
     );
 }
@@ -340,7 +340,7 @@ fn tied_embeddings_and_bad_files_fail_or_pass_cleanly() {
         let out = root.join(name);
         assert_fails(&import(&p, &out, &[]), 1, needle);
         assert!(!out.exists(), "{name}: output left behind");
-        assert!(!soar_gptq::checkpoint::writer::partial_path(&out).exists());
+        assert!(!soar_gptq::checkpoint::output_dir::partial_path(&out).exists());
     };
     let set = |k: &'static str, v: Value| {
         move |m: &mut Metadata| {

@@ -558,7 +558,7 @@ fn unsupported_architectures_and_lengths_fail_cleanly() {
     let out = root.join("q");
     let o = quantize(&model, &out, &calib, &[]);
     assert_fails(&o, 1, "sliding_window = 32");
-    assert!(!out.exists() && !soar_gptq::checkpoint::writer::partial_path(&out).exists());
+    assert!(!out.exists() && !soar_gptq::checkpoint::output_dir::partial_path(&out).exists());
     let o = run(&[
         "eval-ppl",
         "--model",

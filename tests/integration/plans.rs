@@ -8,7 +8,7 @@
 use crate::common::*;
 
 use serde_json::Value;
-use soar_gptq::checkpoint::writer::partial_path;
+use soar_gptq::checkpoint::output_dir::partial_path;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 

@@ -4,7 +4,8 @@
 use crate::common::*;
 
 use serde_json::Value;
-use soar_gptq::checkpoint::writer::{partial_path, sha256_file};
+use soar_gptq::checkpoint::manifest::sha256_file;
+use soar_gptq::checkpoint::output_dir::partial_path;
 use soar_gptq::checkpoint::Checkpoint;
 use std::path::{Path, PathBuf};
 use std::process::Output;

@@ -19,7 +19,10 @@ fn tree(dir: &Path) -> BTreeMap<String, String> {
                 walk(root, &p, out);
             } else {
                 let rel = p.strip_prefix(root).unwrap().display().to_string();
-                out.insert(rel, soar_gptq::checkpoint::writer::sha256_file(&p).unwrap());
+                out.insert(
+                    rel,
+                    soar_gptq::checkpoint::manifest::sha256_file(&p).unwrap(),
+                );
             }
         }
     }
@@ -567,7 +570,7 @@ fn a_corrupted_cache_blob_is_caught_before_the_first_layer() {
     for e in std::fs::read_dir(&m).unwrap() {
         let p = e.unwrap().path();
         let name = p.file_name().unwrap().to_string_lossy().into_owned();
-        let h = soar_gptq::checkpoint::writer::sha256_file(&p).unwrap();
+        let h = soar_gptq::checkpoint::manifest::sha256_file(&p).unwrap();
         std::fs::copy(&p, repo.join("blobs").join(&h)).unwrap();
         std::os::unix::fs::symlink(format!("../../blobs/{h}"), snap.join(&name)).unwrap();
         if name.ends_with(".safetensors") {

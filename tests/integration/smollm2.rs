@@ -50,7 +50,7 @@ fn cache_dir() -> PathBuf {
 }
 
 fn sha256(p: &Path) -> String {
-    soar_gptq::checkpoint::writer::sha256_file(p).unwrap()
+    soar_gptq::checkpoint::manifest::sha256_file(p).unwrap()
 }
 
 /// The GGUF file, fetched and checked; None when the registry cannot be reached.

@@ -151,7 +151,9 @@ impl ModuleCodes {
             },
         ) = (device.is_cuda(), self)
         {
-            return crate::kernels::cuda::dequant_marlin(device, b, scales, src_row, k, n, *group);
+            return crate::kernels::dequant::dequant_marlin(
+                device, b, scales, src_row, k, n, *group,
+            );
         }
         match self {
             ModuleCodes::Gptq { .. } => {
@@ -189,7 +191,7 @@ pub fn dequantize_gptq_tensor(
 ) -> Result<candle_core::Tensor> {
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
-        return crate::kernels::cuda::dequant_gptq(
+        return crate::kernels::dequant::dequant_gptq(
             device,
             t.qweight,
             t.qzeros,

@@ -85,7 +85,7 @@ pub fn fused_groups(ck: &Checkpoint, quantized: &[String]) -> Vec<(String, Vec<S
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checkpoint::writer::{write_sharded, TensorSpec};
+    use crate::checkpoint::shards::{write_sharded, TensorSpec};
     use crate::checkpoint::Dtype;
     use crate::format::pack::{i32_to_le_bytes, pack_qweight};
     use crate::scheme::GroupSize;

@@ -9,12 +9,12 @@ use crate::scheme::QuantFormat;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 
-pub(super) fn pack(q: &QuantizedLinear, bits: u8, layout: QuantFormat) -> Result<Packed> {
+pub(super) fn pack(q: &QuantizedLinear, bits: u8, format: QuantFormat) -> Result<Packed> {
     let (n, k) = (q.n, q.k);
     let groups = q.n_groups();
     Ok(Packed {
         qweight: format::pack::pack_qweight_nk(&q.codes, n, k, bits)?,
-        qzeros: format::pack_qzeros(&q.zeros, groups, n, bits, layout)?,
+        qzeros: format::pack_qzeros(&q.zeros, groups, n, bits, format)?,
         scales_f16: format::f32_to_f16_le_bytes(&q.scales),
         g_idx: q.g_idx.clone(),
     })
@@ -68,7 +68,7 @@ pub(super) fn decode_stored(
     n: usize,
     k: usize,
     bits: u8,
-    layout: QuantFormat,
+    format: QuantFormat,
     dtype: DType,
     device: &Device,
 ) -> Result<Tensor> {
@@ -81,7 +81,7 @@ pub(super) fn decode_stored(
         k,
         n,
         bits,
-        format: layout,
+        format,
     };
     Ok(format::dequantize_gptq_tensor(&t, device)?.to_dtype(dtype)?)
 }
@@ -172,19 +172,19 @@ mod tests {
 
     /// What the layer loop decodes right after a solve equals, bit for bit, what it decodes
     /// from the packed tensors when a resumed run replays the layer (every width, both GPTQ
-    /// layouts, act-order groups).
+    /// formats, act-order groups).
     #[test]
     fn decoding_the_codes_equals_decoding_the_packed_tensors() {
         let mut rng = SplitMix64::new(41);
         let dev = Device::Cpu;
         for bits in [2u8, 3, 4, 8] {
-            for layout in [QuantFormat::GptqV1, QuantFormat::GptqV2] {
+            for format in [QuantFormat::GptqV1, QuantFormat::GptqV2] {
                 let (n, k) = (64, 256);
                 let q = random_linear(&mut rng, n, k, bits, 32);
-                let p = pack(&q, bits, layout).unwrap();
+                let p = pack(&q, bits, format).unwrap();
                 for dtype in [DType::F32, DType::BF16] {
                     let from_codes = decode_codes(&q, dtype, &dev).unwrap();
-                    let stored = decode_stored(&p, n, k, bits, layout, dtype, &dev).unwrap();
+                    let stored = decode_stored(&p, n, k, bits, format, dtype, &dev).unwrap();
                     let bits_of = |t: &Tensor| -> Vec<u32> {
                         t.to_dtype(DType::F32)
                             .unwrap()
@@ -199,7 +199,7 @@ mod tests {
                     assert_eq!(
                         bits_of(&from_codes),
                         bits_of(&stored),
-                        "{bits} bits, {layout:?}, {dtype:?}"
+                        "{bits} bits, {format:?}, {dtype:?}"
                     );
                 }
             }

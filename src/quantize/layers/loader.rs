@@ -6,16 +6,16 @@ use crate::model::AnyConfig;
 use anyhow::Result;
 use candle_core::Device;
 
-/// A page-locked copy of a decoder layer's weights (`kernels::cuda::PinnedStage`); without the
-/// `cuda` feature a type that is never made.
+/// A page-locked copy of a decoder layer's weights (`kernels::transfer::PinnedStage`); without
+/// the `cuda` feature a type that is never made.
 #[cfg(feature = "cuda")]
-pub(super) type Stage = crate::kernels::cuda::PinnedStage;
+pub(super) type PinnedStage = crate::kernels::transfer::PinnedStage;
 
 #[cfg(not(feature = "cuda"))]
-pub(super) enum Stage {}
+pub(super) enum PinnedStage {}
 
 #[cfg(not(feature = "cuda"))]
-impl Stage {
+impl PinnedStage {
     fn fill(&mut self, _: &[(String, &[u8])]) -> Result<()> {
         match *self {}
     }
@@ -35,7 +35,7 @@ impl Stage {
 /// per tensor (the driver's copy of pageable, mapped memory ran at ~8 GB/s). On the CPU the
 /// thread maps the next layer's pages in.
 pub(super) struct LayerLoader {
-    stages: Option<[Stage; 2]>,
+    pinned_stages: Option<[PinnedStage; 2]>,
     /// The layer the stage for the next `split` holds (none yet: the first layer loads from the
     /// checkpoint).
     pub(super) held: usize,
@@ -43,7 +43,7 @@ pub(super) struct LayerLoader {
 
 impl LayerLoader {
     pub(super) fn new(device: &Device, cfg: &AnyConfig, ck: &Checkpoint) -> Result<Self> {
-        let stages = if device.is_cuda() {
+        let pinned_stages = if device.is_cuda() {
             let mut bytes = 0usize;
             for i in 0..cfg.num_hidden_layers() {
                 let mut sum = 0;
@@ -58,28 +58,28 @@ impl LayerLoader {
             None
         };
         Ok(Self {
-            stages,
+            pinned_stages,
             held: usize::MAX,
         })
     }
 
     #[cfg(feature = "cuda")]
-    fn pinned(device: &Device, bytes: usize) -> Result<Option<[Stage; 2]>> {
+    fn pinned(device: &Device, bytes: usize) -> Result<Option<[PinnedStage; 2]>> {
         Ok(Some([
-            Stage::new(device, bytes)?,
-            Stage::new(device, bytes)?,
+            PinnedStage::new(device, bytes)?,
+            PinnedStage::new(device, bytes)?,
         ]))
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn pinned(_: &Device, _: usize) -> Result<Option<[Stage; 2]>> {
+    fn pinned(_: &Device, _: usize) -> Result<Option<[PinnedStage; 2]>> {
         Ok(None)
     }
 
     /// The stage layer `i` reads from (if it holds layer i) and the one to fill with layer i + 1.
-    pub(super) fn split(&mut self, i: usize) -> (Option<&Stage>, Option<&mut Stage>) {
+    pub(super) fn split(&mut self, i: usize) -> (Option<&PinnedStage>, Option<&mut PinnedStage>) {
         let held = self.held;
-        match &mut self.stages {
+        match &mut self.pinned_stages {
             Some([a, b]) => {
                 let (cur, next) = if i.is_multiple_of(2) { (a, b) } else { (b, a) };
                 ((held == i).then_some(&*cur), Some(next))
@@ -91,7 +91,7 @@ impl LayerLoader {
     /// Makes the layer whose tensors are `names` ready: copied into `stage`, or (no stage) its
     /// pages mapped in. Runs beside the computation. Returns whether a stage was filled.
     pub(super) fn prepare(
-        stage: Option<&mut Stage>,
+        stage: Option<&mut PinnedStage>,
         ck: &Checkpoint,
         names: &[String],
     ) -> Result<bool> {

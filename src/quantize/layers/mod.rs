@@ -13,7 +13,7 @@ pub mod store;
 
 use super::journal::{self, Journal, JournalLayer, SourceChecks};
 use super::plan::Plan;
-use super::stages::Stages;
+use super::stages::StageSeconds;
 use super::stream::StreamFeed;
 use super::{Compute, ModuleRow, Settings};
 use crate::checkpoint::guard::InputPath;
@@ -38,7 +38,7 @@ pub(super) struct LayerRun<'a> {
     pub ck: &'a Checkpoint,
     pub windows: &'a [Vec<u32>],
     pub plan: &'a Plan,
-    pub layout: QuantFormat,
+    pub format: QuantFormat,
     pub quant: QuantParams,
     pub jdir: &'a Path,
     /// The shard stream, told of each layer as it is recorded (replayed layers first).
@@ -58,7 +58,7 @@ impl LayerRun<'_> {
     pub fn run(
         &self,
         journal: &mut Journal,
-        stages: &mut Stages,
+        stages: &mut StageSeconds,
         checks: &mut SourceChecks,
     ) -> Result<()> {
         for entry in &journal.layers {
@@ -73,7 +73,7 @@ impl LayerRun<'_> {
     fn run_pending(
         &self,
         journal: &mut Journal,
-        stages: &mut Stages,
+        stages: &mut StageSeconds,
         pending: &mut Option<PendingLayer>,
         checks: &mut SourceChecks,
     ) -> Result<()> {
@@ -112,7 +112,7 @@ impl LayerRun<'_> {
             flush_pending(pending, journal, self.jdir, self.feed, checks)?;
             pass.stages.journal += pass.clock.lap()?;
             let dir = self.jdir.to_path_buf();
-            let layout = self.layout;
+            let format = self.format;
             *pending = Some(PendingLayer {
                 index: i,
                 rows,
@@ -124,7 +124,7 @@ impl LayerRun<'_> {
                         .map(|(name, q, bits)| {
                             Ok((
                                 name.clone(),
-                                decode::pack(q, *bits, layout)
+                                decode::pack(q, *bits, format)
                                     .with_context(|| format!("packing {name}"))?,
                             ))
                         })

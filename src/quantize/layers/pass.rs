@@ -10,7 +10,7 @@
 //! otherwise: the same operations on the same inputs, so the output is the same either way.
 
 use super::decode::{decode_codes, relative_output_error};
-use super::loader::Stage;
+use super::loader::PinnedStage;
 use super::store::{Budget, Cache, States};
 use super::LayerRun;
 use crate::checkpoint::guard::OutputFile;
@@ -20,7 +20,7 @@ use crate::gptq::{
 use crate::model::{sequential, AnyLayer, AnyModel, LinearGroup};
 use crate::quantize::journal::{self, JournalLayer};
 use crate::quantize::plan::ModulePlan;
-use crate::quantize::stages::{StageClock, Stages};
+use crate::quantize::stages::{StageClock, StageSeconds};
 use crate::quantize::{Method, ModuleRow};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{Device, Tensor};
@@ -42,7 +42,7 @@ pub(super) struct Pass<'r, 's> {
     /// Bytes the per-layer caches may hold on the compute device.
     budget: Budget,
     pub(super) clock: StageClock,
-    pub(super) stages: &'s mut Stages,
+    pub(super) stages: &'s mut StageSeconds,
     pub(super) pb: ProgressBar,
 }
 
@@ -103,7 +103,7 @@ fn flat(x: &Tensor) -> Result<Tensor> {
 impl<'r, 's> Pass<'r, 's> {
     /// Loads the embedding and embeds the calibration windows, batch by batch, into states kept
     /// where `run.residency` says.
-    pub(super) fn start(run: &'r LayerRun<'r>, stages: &'s mut Stages) -> Result<Self> {
+    pub(super) fn start(run: &'r LayerRun<'r>, stages: &'s mut StageSeconds) -> Result<Self> {
         let opts = run.opts;
         let compute = run.compute;
         let mut clock = StageClock::new(&compute.device);
@@ -167,7 +167,7 @@ impl<'r, 's> Pass<'r, 's> {
                 n,
                 k,
                 scheme.bits.get(),
-                self.run.layout,
+                self.run.format,
                 compute.dtype,
                 &compute.device,
             )?;
@@ -185,7 +185,7 @@ impl<'r, 's> Pass<'r, 's> {
     pub(super) fn quantize_layer(
         &mut self,
         i: usize,
-        staged: Option<&Stage>,
+        staged: Option<&PinnedStage>,
     ) -> Result<LayerResult> {
         let opts = self.run.opts;
         let (mut layer, fp_layer) = self.load_layer(i, staged)?;
@@ -253,7 +253,7 @@ impl<'r, 's> Pass<'r, 's> {
     fn load_layer(
         &mut self,
         i: usize,
-        staged: Option<&Stage>,
+        staged: Option<&PinnedStage>,
     ) -> Result<(AnyLayer, Option<AnyLayer>)> {
         let compute = self.run.compute;
         let ck = self.run.ck;
@@ -608,7 +608,7 @@ fn group_input(
     bi: usize,
     budget: &mut Budget,
     clock: &mut StageClock,
-    stages: &mut Stages,
+    stages: &mut StageSeconds,
 ) -> Result<Tensor> {
     let h = s.states.get(bi)?;
     match g {

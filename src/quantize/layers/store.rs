@@ -114,7 +114,7 @@ impl States {
                 let dir = self.spill.as_ref().expect("a spill folder for tier Disk");
                 let path = dir.join(format!("{}-{bi:06}.bin", self.tag));
                 let bytes = raw_bytes(&t)?;
-                crate::checkpoint::writer::write_file(&path, &bytes)?;
+                crate::checkpoint::files::write_file(&path, &bytes)?;
                 Slot::Disk {
                     path,
                     dtype: t.dtype(),

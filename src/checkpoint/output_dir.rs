@@ -77,7 +77,8 @@ fn check_replaceable(out: &Path, force: bool) -> Result<()> {
     }
     if !out.is_dir() {
         bail!(
-            "output {} exists and is not a folder: remove it yourself or choose another --out              (--force replaces model folders only)",
+            "output {} exists and is not a folder: remove it yourself or choose another --out \
+             (--force replaces model folders only)",
             out.display()
         );
     }
@@ -107,7 +108,8 @@ impl OutputDir {
         if partial.symlink_metadata().is_ok() {
             if partial.join(RESUMABLE_MARKER).is_file() && !force {
                 bail!(
-                    "{} holds the finished layers of an interrupted run: rerun the same command                      with --resume to continue it, or add --force to discard it and start over",
+                    "{} holds the finished layers of an interrupted run: rerun the same command \
+                     with --resume to continue it, or add --force to discard it and start over",
                     partial.display()
                 );
             }

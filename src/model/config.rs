@@ -148,7 +148,9 @@ impl Config {
     }
 
     pub fn from_json(text: &str) -> Result<Self> {
-        let cfg: Config = serde_json::from_str(text)?;
+        let mut raw: serde_json::Value = serde_json::from_str(text)?;
+        super::rope_parameters::lift(&mut raw)?;
+        let cfg: Config = serde_json::from_value(raw)?;
         cfg.validate()?;
         Ok(cfg)
     }

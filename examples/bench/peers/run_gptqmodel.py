@@ -28,6 +28,12 @@ def main():
     ap.add_argument("--device", default="auto")
     ap.add_argument("--result")
     a = ap.parse_args()
+    for k in ("model", "calib", "out", "result"):
+        if getattr(a, k, None):
+            setattr(a, k, os.path.abspath(getattr(a, k)))
+    # The peer writes logs/ into the working directory (GPTQModel's gptq_log_*): keep it beside the output.
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    os.chdir(os.path.dirname(a.out))
     set_threads()
     ph = Phases()
 

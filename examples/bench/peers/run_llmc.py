@@ -4,6 +4,9 @@ original position, no g_idx on disk), dampening_frac 0.01, block_size 128, lm_he
 Weight observer: "memoryless_minmax" (plain ranges), or with --mse "memoryless_mse" with
 maxshrink 0.8, grid 100, norm 2.4 and patience 1000 (no early stop): soar-gptq's --mse search.
 The windows go in as a torch DataLoader (oneshot takes one as is: no datasets processing).
+Its group scales are in the model's dtype (bf16), not fp16 as GPTQ stores them: QuantizationArgs'
+scale_dtype=float16 is accepted but changes nothing for int4 group quantization in 0.14.0.1 /
+compressed-tensors 0.19.0 (byte-identical output), so it is left at the default.
 Writes compressed-tensors pack-quantized with llm-compressor's own save_pretrained, then
 (--gptq-out) a GPTQ v1 copy through ct_to_gptq.py for the common scorer.
 
@@ -34,6 +37,12 @@ def main():
     ap.add_argument("--device", default="auto")
     ap.add_argument("--result")
     a = ap.parse_args()
+    for k in ("model", "calib", "out", "result", "gptq_out"):
+        if getattr(a, k, None):
+            setattr(a, k, os.path.abspath(getattr(a, k)))
+    # Keep whatever the peer writes into the working directory (logs/) beside the output.
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    os.chdir(os.path.dirname(a.out))
     set_threads()
     ph = Phases()
 

@@ -78,8 +78,10 @@
 #
 # Shims: examples/bench/peers/shims/datasets stands in for Hugging Face `datasets` only when the
 # real one (carried as a wheel, needs the machine's pyarrow) does not import: llm-compressor
-# imports `datasets` at module level but never calls it when given a DataLoader. GPTQModel
-# imports it only inside try blocks. summary.txt says which one ran.
+# imports `datasets` at module level but never calls it when given a DataLoader; AutoRound imports
+# a few more names and uses none of them when given token tensors (outputs byte-identical with the
+# real package and the shim, checked on the CPU). GPTQModel imports it only inside try blocks.
+# summary.txt says which one ran.
 #
 # Environment: OUT (/tmp/peers-out), P (/tmp/peers), DEVICE (cuda), SG (the soar-gptq binary;
 # default /tmp/soar-bin/soar-gptq from .gpu/soar-gptq.xz), PY (python3), SITE (/tmp/site),

@@ -56,7 +56,8 @@ def main():
         mse=a.mse,
         true_sequential=True,
         lm_head=False,
-        device=dev,
+        # On a GPU GPTQModel picks the device itself (its README's way); on the CPU it must be told.
+        device="cpu" if dev == "cpu" else None,
     )
     model = ph.run("load", GPTQModel.load, a.model, qcfg, backend=BACKEND.TORCH)
     calib = [{"input_ids": w, "attention_mask": [1] * len(w)} for w in wins]
@@ -72,7 +73,10 @@ def main():
         "calibration_sha256": doc.get("calibration_sha256"),
         "settings": {"bits": a.bits, "group_size": a.group_size, "sym": True, "desc_act": a.desc_act,
                      "damp_percent": a.damp, "mse": a.mse, "true_sequential": True, "lm_head": False,
-                     "backend": "torch", "batch_size": a.batch_size},
+                     "backend": "torch", "batch_size": a.batch_size,
+                     # JIT-built native paths, allowed unless disabled (peers.sh disables both by default)
+                     "gptq_block_cuda_ext_allowed": os.environ.get("GPTQMODEL_DISABLE_GPTQ_CUDA") != "1",
+                     "pack_block_cpu_ext_allowed": os.environ.get("GPTQMODEL_DISABLE_PACK_EXT") != "1"},
         "phases": ph.t,
         "total_s": ph.total(),
     }

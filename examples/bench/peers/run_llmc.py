@@ -88,7 +88,9 @@ def main():
         "calibration_sha256": doc.get("calibration_sha256"),
         "settings": {"bits": a.bits, "group_size": a.group_size, "symmetric": True, "actorder": a.actorder,
                      "dampening_frac": a.damp, "block_size": 128, "observer": observer, "observer_kwargs": okw,
-                     "ignore": ["lm_head"], "pipeline": a.pipeline, "batch_size": a.batch_size},
+                     "ignore": ["lm_head"], "pipeline": a.pipeline, "batch_size": a.batch_size,
+                     "triton_gptq_block": dev == "cuda" and os.environ.get("LLMCOMPRESSOR_DISABLE_GPTQ_TRITON") != "1"
+                     and not os.environ.get("CT_ENFORCE_EAGER")},
         "phases": ph.t,
         "total_s": ph.total(),
     }

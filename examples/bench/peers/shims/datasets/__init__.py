@@ -3,8 +3,10 @@ the real package cannot be imported on the GPU machine (it needs pyarrow, too la
 
 llm-compressor imports `datasets` at module level (typing, its dataset registry) but, given a
 torch DataLoader as `dataset`, never calls it: oneshot returns the DataLoader as is
-(llmcompressor.datasets.utils.get_calibration_dataloader). These classes only let those imports
-and isinstance checks run; anything that would really use them raises.
+(llmcompressor.datasets.utils.get_calibration_dataloader). AutoRound (optional) imports more
+names at module level (auto_round/calib_dataset.py) and, given a list of token tensors, uses
+none of them either. These names only let those imports and isinstance checks run; anything
+that would really use them raises.
 """
 
 __version__ = "0.0.0-peers-shim"
@@ -30,6 +32,24 @@ class DatasetDict(dict):
 
 class IterableDatasetDict(dict):
     pass
+
+
+class Features(dict):
+    pass
+
+
+class Value:
+    def __init__(self, *a, **k):
+        pass
+
+
+class Sequence:
+    def __init__(self, *a, **k):
+        pass
+
+
+def concatenate_datasets(*a, **k):
+    raise RuntimeError("datasets shim: concatenate_datasets is not available")
 
 
 def load_dataset(*a, **k):

@@ -88,7 +88,9 @@ fn check_replaceable(out: &Path, force: bool) -> Result<()> {
         .is_none();
     if !empty && !MODEL_FOLDER_MARKERS.iter().any(|m| out.join(m).is_file()) {
         bail!(
-            "output {} exists and does not look like a model folder (no {}): --force replaces              model folders only, so nothing else is ever deleted; remove it yourself or choose              another --out",
+            "output {} exists and does not look like a model folder (no {}): --force replaces \
+             model folders only, so nothing else is ever deleted; remove it yourself or choose \
+             another --out",
             out.display(),
             MODEL_FOLDER_MARKERS.join(", ")
         );
@@ -100,11 +102,7 @@ impl OutputDir {
     /// Starts a new output at `out` (see the type's docs); `inputs` are every path the command
     /// reads, which the output may not alias.
     pub fn create(out: &Path, force: bool, inputs: &[guard::InputPath]) -> Result<Self> {
-        let partial = partial_path(out);
-        guard::check_output("--out", out, &[partial.clone(), replaced_path(out)], inputs)?;
-        let lock = guard::OutputLock::acquire("--out", out)?;
-        restore_interrupted_commit(out)?;
-        check_replaceable(out, force)?;
+        let (partial, lock) = Self::claim(out, force, inputs)?;
         if partial.symlink_metadata().is_ok() {
             if partial.join(RESUMABLE_MARKER).is_file() && !force {
                 bail!(
@@ -118,29 +116,37 @@ impl OutputDir {
         }
         std::fs::create_dir_all(&partial)
             .with_context(|| format!("cannot create {}", partial.display()))?;
-        Ok(Self {
-            out: out.to_path_buf(),
-            _interrupt: crate::interrupt::register(&partial, lock.path()),
-            partial,
-            done: false,
-            keep_partial: false,
-            copied: vec![],
-            hashed: BTreeMap::new(),
-            _lock: lock,
-        })
+        Ok(Self::held(out, partial, lock))
     }
 
     /// Reopens an existing partial folder (for `--resume`).
     pub fn reopen(out: &Path, force: bool, inputs: &[guard::InputPath]) -> Result<Self> {
+        let (partial, lock) = Self::claim(out, force, inputs)?;
+        if !partial.is_dir() {
+            bail!("nothing to resume: {} does not exist", partial.display());
+        }
+        Ok(Self::held(out, partial, lock))
+    }
+
+    /// What `create` and `reopen` check first: `out` and its partial and replaced folders alias
+    /// no input, the output lock is held, an interrupted commit is put back, and an existing
+    /// `out` may be replaced. Returns the partial folder's path and the lock.
+    fn claim(
+        out: &Path,
+        force: bool,
+        inputs: &[guard::InputPath],
+    ) -> Result<(PathBuf, guard::OutputLock)> {
         let partial = partial_path(out);
         guard::check_output("--out", out, &[partial.clone(), replaced_path(out)], inputs)?;
         let lock = guard::OutputLock::acquire("--out", out)?;
         restore_interrupted_commit(out)?;
         check_replaceable(out, force)?;
-        if !partial.is_dir() {
-            bail!("nothing to resume: {} does not exist", partial.display());
-        }
-        Ok(Self {
+        Ok((partial, lock))
+    }
+
+    /// The output at `partial`, with the lock held and interrupts registered.
+    fn held(out: &Path, partial: PathBuf, lock: guard::OutputLock) -> Self {
+        Self {
             out: out.to_path_buf(),
             _interrupt: crate::interrupt::register(&partial, lock.path()),
             partial,
@@ -149,7 +155,7 @@ impl OutputDir {
             copied: vec![],
             hashed: BTreeMap::new(),
             _lock: lock,
-        })
+        }
     }
 
     pub fn path(&self) -> &Path {

@@ -136,6 +136,26 @@ impl<T: DeviceRepr> KernelArg for T {
     }
 }
 
+/// The `(B, T, H, D)` of an attention kernel's query and the KV head count of its key, with the
+/// key and value checked to be `[B, T, KV, D]`; `what` names the kernel in the message.
+pub fn qkv_dims(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    what: &str,
+) -> Result<(usize, usize, usize, usize, usize)> {
+    let (b, t, h, d) = q.dims4()?;
+    let (_, _, kv, _) = k.dims4()?;
+    ensure!(
+        k.dims() == [b, t, kv, d] && v.dims() == k.dims(),
+        "internal: {what} operands differ: q {:?}, k {:?}, v {:?}",
+        q.dims(),
+        k.dims(),
+        v.dims()
+    );
+    Ok((b, t, h, d, kv))
+}
+
 pub fn blocks(n: usize, per: usize) -> u32 {
     n.div_ceil(per) as u32
 }

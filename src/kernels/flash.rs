@@ -6,7 +6,7 @@ use anyhow::{ensure, Result};
 use candle_core::{DType, Tensor};
 use cudarc::driver::CudaSlice;
 
-use super::cuda::{blocks, cuda, launch, launch_cfg, slice_ptr, tensor_ptr, wrap};
+use super::cuda::{blocks, cuda, launch, launch_cfg, qkv_dims, slice_ptr, tensor_ptr, wrap};
 
 /// Whether [`flash_attention_causal`] has a kernel for head dimension `d`.
 pub fn flash_attention_supports(d: usize) -> bool {
@@ -37,15 +37,7 @@ pub fn flash_attention_causal_tiled(
     block_m: usize,
 ) -> Result<Tensor> {
     let dev = cuda(q.device())?;
-    let (b, t, h, d) = q.dims4()?;
-    let (_, _, kv, _) = k.dims4()?;
-    ensure!(
-        k.dims() == [b, t, kv, d] && v.dims() == k.dims(),
-        "internal: attention operands differ: q {:?}, k {:?}, v {:?}",
-        q.dims(),
-        k.dims(),
-        v.dims()
-    );
+    let (b, t, h, d, kv) = qkv_dims(q, k, v, "attention")?;
     ensure!(
         [q.dtype(), k.dtype(), v.dtype()] == [DType::BF16; 3],
         "internal: fused attention takes BF16 q, k, v"

@@ -15,7 +15,7 @@ use anyhow::{bail, ensure, Result};
 use candle_core::{CudaDevice, DType, Device, Tensor};
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
-use super::cuda::{cuda, launch_in, slice_ptr, tensor_ptr, wrap};
+use super::cuda::{cuda, launch_in, qkv_dims, slice_ptr, tensor_ptr, wrap};
 
 /// Tokens per chunk (the model's `GLA_CHUNK`); fixed in the kernel.
 pub const CHUNK: usize = 64;
@@ -183,15 +183,7 @@ fn check_operands(
     v: &Tensor,
     gammas: &[f64],
 ) -> Result<(Shape, &'static str)> {
-    let (b, t, h, d) = q.dims4()?;
-    let (_, _, kv, _) = k.dims4()?;
-    ensure!(
-        k.dims() == [b, t, kv, d] && v.dims() == k.dims(),
-        "internal: Simple-GLA operands differ: q {:?}, k {:?}, v {:?}",
-        q.dims(),
-        k.dims(),
-        v.dims()
-    );
+    let (b, t, h, d, kv) = qkv_dims(q, k, v, "Simple-GLA")?;
     ensure!(
         k.dtype() == q.dtype() && v.dtype() == q.dtype(),
         "internal: Simple-GLA operands of different dtypes: {:?}, {:?}, {:?}",

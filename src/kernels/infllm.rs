@@ -14,7 +14,7 @@ use anyhow::{ensure, Result};
 use candle_core::{DType, Tensor};
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
-use super::cuda::{blocks, cuda, launch_in, slice_ptr, tensor_ptr, wrap};
+use super::cuda::{blocks, cuda, launch_in, qkv_dims, slice_ptr, tensor_ptr, wrap};
 
 /// The head dimension the kernels take.
 pub const HEAD_DIM: usize = 128;
@@ -265,15 +265,7 @@ pub fn attend_tiled(
     block_m: usize,
 ) -> Result<Tensor> {
     let dev = cuda(q.device())?;
-    let (b, t, h, d) = q.dims4()?;
-    let (_, _, kv, _) = k.dims4()?;
-    ensure!(
-        k.dims() == [b, t, kv, d] && v.dims() == k.dims(),
-        "internal: InfLLM-v2 attention operands differ: q {:?}, k {:?}, v {:?}",
-        q.dims(),
-        k.dims(),
-        v.dims()
-    );
+    let (b, t, h, d, kv) = qkv_dims(q, k, v, "InfLLM-v2 attention")?;
     ensure!(
         [q.dtype(), k.dtype(), v.dtype()] == [DType::BF16; 3] && sel.dtype() == DType::I32,
         "internal: InfLLM-v2 attention takes BF16 q, k, v and an i32 selection"

@@ -36,10 +36,7 @@ pub struct Exported<'a> {
 /// template) whose vocabulary holds `vocab_size` ids. The caller checks the lengths against the
 /// model's config, as `quantize` does.
 pub fn windows(dir: &Path, vocab_size: usize, req: &Request) -> Result<CalibSet> {
-    let path = dir.join("tokenizer.json");
-    crate::checkpoint::guard::regular_file(&path, "tokenizer")?;
-    let tokenizer = tokenizers::Tokenizer::from_file(&path)
-        .map_err(|e| anyhow!("cannot load {}: {e}", path.display()))?;
+    let tokenizer = super::load_tokenizer(dir)?;
     let chat = ChatFormat::from_model_dir(dir)?;
     let sources = load_sources(req.calib, &chat)?;
     build_windows(

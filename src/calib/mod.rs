@@ -246,6 +246,23 @@ fn file_source(path: &Path, weight: f64, chat: &ChatFormat) -> Result<Source> {
     })
 }
 
+/// The model's `tokenizer.json` in `dir`, the one the calibration windows are tokenized with.
+pub fn load_tokenizer(dir: &Path) -> Result<tokenizers::Tokenizer> {
+    let path = dir.join("tokenizer.json");
+    crate::checkpoint::guard::regular_file(&path, "tokenizer")?;
+    tokenizers::Tokenizer::from_file(&path)
+        .map_err(|e| anyhow!("cannot load {}: {e}", path.display()))
+}
+
+/// The `--calib` files and folders (not `default`), as inputs an output may not alias.
+pub fn input_paths(specs: &[CalibSpec]) -> Vec<crate::checkpoint::guard::InputPath> {
+    specs
+        .iter()
+        .filter(|c| c.path != "default")
+        .map(|c| crate::checkpoint::guard::InputPath::new("--calib", &c.path))
+        .collect()
+}
+
 /// Expands `--calib` arguments into sources. A folder contributes each .txt/.jsonl file in it
 /// (sorted), sharing the folder's weight equally; `default` is the embedded mix.
 pub fn load_sources(specs: &[CalibSpec], chat: &ChatFormat) -> Result<Vec<Source>> {

@@ -342,11 +342,7 @@ fn export_calib(a: ExportCalibArgs) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     // --out is checked against every input before anything is read or downloaded, and again
     // with the resolved model's files.
-    let mut inputs: Vec<InputPath> = calib
-        .iter()
-        .filter(|c| c.path != "default")
-        .map(|c| InputPath::new("--calib", &c.path))
-        .collect();
+    let mut inputs = crate::calib::input_paths(&calib);
     inputs.push(InputPath::new("--model", a.source.local_path()));
     OutputFile::check("--out", &a.out, a.force, &inputs)?;
     let src = a.source.resolve()?;

@@ -50,11 +50,7 @@ pub fn peak_rss_bytes() -> Option<u64> {
 
 /// Every path `quantize` reads besides the model: calibration files and folders, saved Hessians.
 fn side_inputs(s: &Settings, calib: &[CalibSpec]) -> Vec<InputPath> {
-    let mut v: Vec<InputPath> = calib
-        .iter()
-        .filter(|c| c.path != "default")
-        .map(|c| InputPath::new("--calib", &c.path))
-        .collect();
+    let mut v = calib::input_paths(calib);
     v.extend(
         s.load_hessians
             .iter()
@@ -203,7 +199,7 @@ impl<'a> Run<'a> {
         let (cfg, ck) = open_source(s, &src)?;
         // Every weight finite and the shards' SHA-256, beside the setup and the first layers.
         let checks = SourceChecks::start(&src.dir);
-        let tokenizer = load_tokenizer(&src.dir)?;
+        let tokenizer = calib::load_tokenizer(&src.dir)?;
         let plan = plan_linears(s, &cfg)?;
         let sparse_path = cfg.sparse_runs(s.seqlen.max());
         let settings = Recorded::new(s, &compute, calib, &plan, sparse_path);
@@ -690,12 +686,6 @@ fn read_config(dir: &Path) -> Result<serde_json::Value> {
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("cannot read {}", path.display()))?;
     serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))
-}
-
-fn load_tokenizer(dir: &Path) -> Result<Tokenizer> {
-    let path = dir.join("tokenizer.json");
-    guard::regular_file(&path, "tokenizer")?;
-    Tokenizer::from_file(&path).map_err(|e| anyhow!("cannot load {}: {e}", path.display()))
 }
 
 /// The settings checked against the model, then each Linear's scheme from `--skip` and

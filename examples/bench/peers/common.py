@@ -88,3 +88,31 @@ def set_threads():
         import torch
 
         torch.set_num_threads(int(n))
+
+
+def driver_parser():
+    """The flags every driver takes: the model, the export-calib windows, the output folder, the
+    group size, the device and the result record; each driver adds its own."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--calib", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--result")
+    return ap
+
+
+def start_driver(a, paths=("model", "calib", "out", "result")):
+    """Makes the path flags absolute, moves into the output's parent folder (peers write logs/
+    into the working directory: they stay beside the output), sets the CPU threads and starts
+    the phase clock."""
+    for k in paths:
+        if getattr(a, k, None):
+            setattr(a, k, os.path.abspath(getattr(a, k)))
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    os.chdir(os.path.dirname(a.out))
+    set_threads()
+    return Phases()

@@ -6,32 +6,19 @@ of [1, L] token tensors, used as given). Saved as auto_gptq (GPTQ v1) with AutoR
   python3 run_autoround.py --model DIR --calib tokens.json --out DIR --group-size 64 [--iters 200]
 """
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Phases, load_windows, memory_record, set_threads, torch_device, versions, write_result  # noqa: E402
+from common import driver_parser, load_windows, memory_record, start_driver, torch_device, versions, write_result  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--calib", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--group-size", type=int, default=128)
+    ap = driver_parser()
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--result")
     a = ap.parse_args()
-    for k in ("model", "calib", "out", "result"):
-        if getattr(a, k, None):
-            setattr(a, k, os.path.abspath(getattr(a, k)))
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    os.chdir(os.path.dirname(a.out))
-    set_threads()
-    ph = Phases()
+    ph = start_driver(a)
 
     import torch
     from auto_round import AutoRound

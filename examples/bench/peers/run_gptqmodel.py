@@ -6,36 +6,22 @@ quantizer's defaults, the same as soar-gptq's --mse), lm_head not quantized. Wri
   python3 run_gptqmodel.py --model DIR --calib tokens.json --out DIR --group-size 64 [--mse 2.4]
 """
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Phases, load_windows, memory_record, set_threads, torch_device, versions, write_result  # noqa: E402
+from common import driver_parser, load_windows, memory_record, start_driver, torch_device, versions, write_result  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--calib", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--group-size", type=int, default=128)
+    ap = driver_parser()
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--damp", type=float, default=0.01)
     ap.add_argument("--mse", type=float, default=0.0, help="norm of the MSE clipping search; 0 = off (plain min/max)")
     ap.add_argument("--desc-act", default="static", choices=["static", "dynamic", "off"])
     ap.add_argument("--batch-size", type=int, default=1)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--result")
     a = ap.parse_args()
-    for k in ("model", "calib", "out", "result"):
-        if getattr(a, k, None):
-            setattr(a, k, os.path.abspath(getattr(a, k)))
-    # The peer writes logs/ into the working directory (GPTQModel's gptq_log_*): keep it beside the output.
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    os.chdir(os.path.dirname(a.out))
-    set_threads()
-    ph = Phases()
+    ph = start_driver(a)
 
     # GPTQModel's thread pool asks for 2 model-loader workers under a 'cpu' pool sized
     # (cores + 1) // 2: on a 2-core machine that pool has 1 and it refuses to start.

@@ -13,38 +13,24 @@ Writes compressed-tensors pack-quantized with llm-compressor's own save_pretrain
   python3 run_llmc.py --model DIR --calib tokens.json --out DIR --group-size 64 [--mse] [--gptq-out DIR]
 """
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Phases, load_windows, memory_record, set_threads, torch_device, versions, write_result  # noqa: E402
+from common import driver_parser, load_windows, memory_record, start_driver, torch_device, versions, write_result  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--calib", required=True)
-    ap.add_argument("--out", required=True)
+    ap = driver_parser()
     ap.add_argument("--gptq-out")
-    ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--damp", type=float, default=0.01)
     ap.add_argument("--mse", action="store_true")
     ap.add_argument("--actorder", default="static", choices=["static", "group", "none"])
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--pipeline", default="sequential")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--result")
     a = ap.parse_args()
-    for k in ("model", "calib", "out", "result", "gptq_out"):
-        if getattr(a, k, None):
-            setattr(a, k, os.path.abspath(getattr(a, k)))
-    # Keep whatever the peer writes into the working directory (logs/) beside the output.
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    os.chdir(os.path.dirname(a.out))
-    set_threads()
-    ph = Phases()
+    ph = start_driver(a, ("model", "calib", "out", "result", "gptq_out"))
 
     import torch
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme

@@ -154,8 +154,10 @@ impl Preflight {
         let vocab = cfg.vocab_size as u64;
         let embed_head_bytes = 2 * vocab * h * e + h * e;
         let layers = LayerTotals::of(cfg);
-        let b = batch.min(windows).max(1) as u64;
         let t = seqlen.max() as u64;
+        // A batch holds at most BATCH_TOKENS tokens (a longer window is a batch of its own).
+        let per_batch = (crate::calib::BATCH_TOKENS as u64 / t.max(1)).max(1);
+        let b = (batch.min(windows).max(1) as u64).min(per_batch);
         let forward_bytes = forward_transient_bytes(cfg, b, t, dtype, device);
         let flops = Flops::of(&layers, tokens, true_sequential, method, streams);
         // The MSE range search: 80 candidate ranges per weight.
@@ -575,5 +577,37 @@ mod tests {
             );
             assert_eq!(p.tokens, windows as u64 * 2048);
         }
+    }
+
+    /// A window of BATCH_TOKENS or more is a batch of its own, whatever `--batch` says: the
+    /// forward transient of 16 × 49,152 tokens at `--batch 8` is one window's, not eight
+    /// windows' (the 9.5B run of docs/benchmarks.md estimated 64 GB and kept a quarter of its
+    /// layer caches because of it).
+    #[test]
+    fn long_windows_count_one_window_per_batch_in_the_forward_transient() {
+        let cfg = crate::model::config::preset("minicpm-sala-9b").unwrap();
+        let forward = |batch, len| {
+            Preflight::estimate(
+                &cfg,
+                16,
+                crate::calib::SeqLen::Fixed(len),
+                batch,
+                DType::BF16,
+                &Device::Cpu,
+                true,
+                crate::quantize::Method::Gptq,
+                false,
+            )
+            .forward_bytes
+        };
+        assert_eq!(
+            forward(8, 49_152),
+            forward(1, 49_152),
+            "batch 8 of 49,152-token windows is one window a batch"
+        );
+        // 32,768-token windows: two a batch (65,536 tokens), so twice one window's transient.
+        assert_eq!(forward(8, 32_768), 2 * forward(1, 32_768));
+        // Short windows are unaffected: 8 × 2048 tokens is within BATCH_TOKENS.
+        assert_eq!(forward(8, 2048), 8 * forward(1, 2048));
     }
 }

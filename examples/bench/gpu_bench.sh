@@ -11,9 +11,11 @@
 #   bash examples/bench/gpu_bench.sh twins solver small e2e128 e2e256
 #
 # Stages (any order, any subset):
-#   twins   the CUDA kernels against their CPU twins (tests/cuda)
+#   twins   the CUDA kernels against their CPU twins (tests/cuda; TWINS_ARGS: test-harness
+#           arguments, e.g. "twins::" for the GPTQ kernels only)
 #   cmp128  the 9.5B at 128 x 2048 with .gpu/soar-base.xz and this build
-#   long    the 9.5B at LONG_N x LONG_LEN (default 16 x 49152; LONG_LEN may be MIN..MAX), LONG_FLAGS
+#   long    the 9.5B at LONG_N x LONG_LEN (default 16 x 49152; LONG_LEN may be MIN..MAX), LONG_FLAGS,
+#           cut at LONG_TIMEOUT s (each layer's down_proj line, stamped, shows the pace)
 #   evallong  eval-ppl --seqlen EVAL_LEN (32768) of the 9.5B against long's output (KEEP_LONG=1), plot
 #   solver  GPTQ solver on the MiniCPM-SALA shapes: our GPU and CPU solvers, and the eager
 #           PyTorch baseline (examples/bench/gptq_eager.py) on the same saved W and H;
@@ -159,7 +161,8 @@ for stage in "$@"; do
   twins)
     # Every GPU kernel against its CPU twin (tests/cuda: the GPTQ kernels, Simple-GLA, InfLLM-v2).
     log "twins"
-    timeout "${TWINS_TIMEOUT:-420}" "$G/cuda" --nocapture --test-threads=1 > /tmp/twins.log 2>&1
+    # shellcheck disable=SC2086
+    timeout "${TWINS_TIMEOUT:-420}" "$G/cuda" --nocapture --test-threads=1 ${TWINS_ARGS:-} > /tmp/twins.log 2>&1
     echo "rc $?" >> /tmp/twins.log
     cp /tmp/twins.log "$OUT/twins.log"
     grep -E "^test |test result|GPU vs CPU|differ|damp used|rc |panicked|assert|ms|TFLOP" /tmp/twins.log | tee -a "$OUT/summary.txt"
@@ -197,10 +200,26 @@ for stage in "$@"; do
     ;;
   ptx)
     # The PTX path forced on this GPU (CUDA_FORCE_PTX_JIT=1) against the SASS: same codes.
+    # Uses the all-architecture build (.gpuall/soar-allarch.xz, which embeds PTX) when carried;
+    # a CUDA_COMPUTE_CAP=90 build has SASS only and cannot run with the PTX path forced.
     log "ptx"
+    PB=$SG
+    if [ -f .gpuall/soar-allarch.xz ]; then
+      [ -x $G/soar-allarch ] || { xz -dc .gpuall/soar-allarch.xz > $G/soar-allarch && chmod +x $G/soar-allarch; }
+      PB=$G/soar-allarch
+    fi
+    echo "binary: $PB ($("$PB" --version 2>&1 | head -1))" | tee -a "$OUT/summary.txt"
+    CO=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
+    for what in elf ptx; do
+      echo -n "$what: " | tee -a "$OUT/summary.txt"
+      "$CO" --list-$what "$PB" 2>/dev/null | grep -oE "sm_[0-9]+a?" | sort | uniq -c | tr '\n' ' ' | tee -a "$OUT/summary.txt"
+      echo | tee -a "$OUT/summary.txt"
+    done
     S=/tmp/ptx; rm -rf $S; mkdir -p $S
-    "$SG" quantize --model examples/tiny-sala --out $S/sass --device cuda > /dev/null 2>&1
-    CUDA_FORCE_PTX_JIT=1 CUDA_CACHE_DISABLE=1 timed "$SG" quantize --model examples/tiny-sala \
+    timed "$PB" quantize --model examples/tiny-sala --out $S/sass --device cuda > /dev/null 2> $S/sass.err
+    echo "SASS rc $?" | tee -a "$OUT/summary.txt"
+    grep wall $S/sass.err | tee -a "$OUT/summary.txt"
+    CUDA_FORCE_PTX_JIT=1 CUDA_CACHE_DISABLE=1 timed "$PB" quantize --model examples/tiny-sala \
       --out $S/ptx --device cuda > /dev/null 2> $S/ptx.err
     echo "forced PTX rc $?" | tee -a "$OUT/summary.txt"
     grep wall $S/ptx.err | tee -a "$OUT/summary.txt"
@@ -208,13 +227,15 @@ for stage in "$@"; do
     ;;
   p9b)
     # The 9.5B at 128 x 2048: the default (f64 factorization, no memory cap), then
-    # --factor-precision f32 (codes compared), then --max-gpu-memory 24 and 16 (bytes compared).
+    # --factor-precision f32 (codes compared), then --max-gpu-memory 24 and 16 (bytes compared);
+    # P9B_ONLY: a subset of "def f32 m24 m16".
     log "p9b"
     B=/tmp/sala9b
     [ -f $B/config.json ] || timed "$SG" synth --preset minicpm-sala-9b --out $B 2>&1 | tail -2 | tee -a "$OUT/summary.txt"
     for v in "def:" "f32:--factor-precision f32" "m24:--max-gpu-memory 24" "m16:--max-gpu-memory 16"; do
       name=${v%%:*}; flags=${v#*:}
       [ "$name" = m16 ] && [ "${P9B_M16:-1}" = 0 ] && continue
+      case " ${P9B_ONLY:-def f32 m24 m16} " in *" $name "*) ;; *) continue ;; esac
       rm -rf /tmp/p-$name /tmp/p-$name.partial
       # shellcheck disable=SC2086
       timed "$SG" quantize --model $B --out /tmp/p-$name --device cuda $flags > /tmp/p-$name.txt 2> /tmp/p-$name.err
@@ -236,11 +257,16 @@ for stage in "$@"; do
     B=/tmp/sala9b
     [ -f $B/config.json ] || timed "$SG" synth --preset minicpm-sala-9b --out $B 2>&1 | tail -2 | tee -a "$OUT/summary.txt"
     rm -rf /tmp/ql /tmp/ql.partial
+    # Cut at LONG_TIMEOUT s (default: none); every stderr line is stamped with the seconds since
+    # the start, so a cut run still shows how far it got and at what pace.
+    t0=$EPOCHREALTIME
     # shellcheck disable=SC2086
-    timed "$SG" quantize --model $B --out /tmp/ql --device cuda --nsamples $N --seqlen $L \
-      ${LONG_FLAGS:-} --json > /tmp/ql.json 2> /tmp/ql.err
-    echo "rc $?" | tee -a "$OUT/summary.txt"
-    grep -E "preflight|activations|wall|error" /tmp/ql.err | tee -a "$OUT/summary.txt"
+    { timeout "${LONG_TIMEOUT:-0}" "$SG" quantize --model $B --out /tmp/ql --device cuda \
+        --nsamples $N --seqlen $L ${LONG_FLAGS:-} --json > /tmp/ql.json; echo "rc $?"; } 2>&1 |
+      awk -v t0="$t0" '{ "date +%s.%N" | getline now; close("date +%s.%N"); printf "%7.1f %s\n", now - t0, $0; fflush() }' > /tmp/ql.err
+    grep -E "preflight|activations|wall|error|rc [0-9]" /tmp/ql.err | tee -a "$OUT/summary.txt"
+    grep -E "layers\.[0-9]+\.mlp\.down_proj" /tmp/ql.err | tee -a "$OUT/summary.txt"
+    cp /tmp/ql.err "$OUT/long-$N-${L//./_}.err"
     python3 - /tmp/ql.json <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys
 try:

@@ -222,7 +222,7 @@ for stage in "$@"; do
     CUDA_FORCE_PTX_JIT=1 CUDA_CACHE_DISABLE=1 timed "$PB" quantize --model examples/tiny-sala \
       --out $S/ptx --device cuda > /dev/null 2> $S/ptx.err
     echo "forced PTX rc $?" | tee -a "$OUT/summary.txt"
-    grep wall $S/ptx.err | tee -a "$OUT/summary.txt"
+    grep -v "^ *[0-9]*: \|^ *at " $S/ptx.err | tail -6 | tee -a "$OUT/summary.txt"
     same_files $S/sass $S/ptx "SASS vs forced PTX JIT, shipped model"
     ;;
   p9b)
@@ -259,11 +259,15 @@ for stage in "$@"; do
     rm -rf /tmp/ql /tmp/ql.partial
     # Cut at LONG_TIMEOUT s (default: none); every stderr line is stamped with the seconds since
     # the start, so a cut run still shows how far it got and at what pace.
-    t0=$EPOCHREALTIME
+    # (A bash loop: mawk buffers its input, so it would stamp every line at the end.)
+    t0=${EPOCHREALTIME/./}
     # shellcheck disable=SC2086
     { timeout "${LONG_TIMEOUT:-0}" "$SG" quantize --model $B --out /tmp/ql --device cuda \
         --nsamples $N --seqlen $L ${LONG_FLAGS:-} --json > /tmp/ql.json; echo "rc $?"; } 2>&1 |
-      awk -v t0="$t0" '{ "date +%s.%N" | getline now; close("date +%s.%N"); printf "%7.1f %s\n", now - t0, $0; fflush() }' > /tmp/ql.err
+      while IFS= read -r line; do
+        d=$((${EPOCHREALTIME/./} - t0))
+        printf '%5d.%d %s\n' $((d / 1000000)) $((d / 100000 % 10)) "$line"
+      done > /tmp/ql.err
     grep -E "preflight|activations|wall|error|rc [0-9]" /tmp/ql.err | tee -a "$OUT/summary.txt"
     grep -E "layers\.[0-9]+\.mlp\.down_proj" /tmp/ql.err | tee -a "$OUT/summary.txt"
     cp /tmp/ql.err "$OUT/long-$N-${L//./_}.err"

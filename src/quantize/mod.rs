@@ -429,11 +429,13 @@ impl<'a> Run<'a> {
             checks.finish()?;
             if !journal.layers.is_empty() {
                 out.keep_on_failure(true);
+                let hint = out_of_memory_hint(&e, self.s.max_gpu_memory);
                 return Err(e.context(format!(
                     "{} finished layer(s) are kept in {}: rerun the same command with --resume \
-                     to continue",
+                     to continue{}",
                     journal.layers.len(),
-                    out.path().display()
+                    out.path().display(),
+                    hint
                 )));
             }
             return Err(e);
@@ -728,6 +730,25 @@ fn plan_linears(s: &Settings, cfg: &AnyConfig) -> Result<Plan> {
     Ok(plan)
 }
 
+/// What to add to the message of a run the GPU's memory stopped: a lower `--max-gpu-memory`
+/// (it changes no output byte, so `--resume` accepts it), or nothing for other errors.
+fn out_of_memory_hint(e: &anyhow::Error, max_gpu_memory: Option<f64>) -> String {
+    if !e
+        .chain()
+        .any(|c| c.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY"))
+    {
+        return String::new();
+    }
+    let now = match max_gpu_memory {
+        Some(gb) => format!("below this run's {gb}"),
+        None => "a few GB below the card's free memory".to_string(),
+    };
+    format!(
+        " (the GPU ran out of memory: other processes, or the allocator's fragmentation beyond \
+         the plan's margin; add --max-gpu-memory with a value {now}: it changes no output byte)"
+    )
+}
+
 /// Where the run keeps its activations, from the preflight's estimate and the memory the
 /// device (and on a GPU, the host) offers; refused when not even one layer and one batch fit.
 fn memory_plan(p: &Preflight, opts: &Settings, device: &Device) -> Result<stages::MemoryPlan> {
@@ -900,4 +921,26 @@ fn write_files(
     )?;
     out.copy_from_source(src_dir, side)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::out_of_memory_hint;
+    use anyhow::anyhow;
+
+    /// A CUDA out-of-memory error anywhere in the chain gets the `--max-gpu-memory` advice,
+    /// naming the run's own cap when it had one; any other error gets nothing.
+    #[test]
+    fn out_of_memory_errors_point_at_max_gpu_memory() {
+        let oom = anyhow!("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")")
+            .context("layer 1: attention");
+        let free = out_of_memory_hint(&oom, None);
+        assert!(
+            free.contains("--max-gpu-memory") && free.contains("free memory"),
+            "{free}"
+        );
+        let capped = out_of_memory_hint(&oom, Some(70.0));
+        assert!(capped.contains("below this run's 70"), "{capped}");
+        assert_eq!(out_of_memory_hint(&anyhow!("disk full"), None), "");
+    }
 }

@@ -155,10 +155,8 @@ impl Preflight {
         let embed_head_bytes = 2 * vocab * h * e + h * e;
         let layers = LayerTotals::of(cfg);
         let t = seqlen.max() as u64;
-        // A batch holds at most BATCH_TOKENS tokens (a longer window is a batch of its own).
-        let per_batch = (crate::calib::BATCH_TOKENS as u64 / t.max(1)).max(1);
-        let b = (batch.min(windows).max(1) as u64).min(per_batch);
-        let forward_bytes = forward_transient_bytes(cfg, b, t, dtype, device);
+        let n = batch_tokens(seqlen, batch.min(windows).max(1) as u64);
+        let forward_bytes = forward_transient_bytes(cfg, n, t, dtype, device);
         let flops = Flops::of(&layers, tokens, true_sequential, method, streams);
         // The MSE range search: 80 candidate ranges per weight.
         let mse_evals = if mse {
@@ -280,20 +278,34 @@ impl LayerTotals {
     }
 }
 
-/// The largest per-batch forward transient for `b` windows of `t` tokens, bytes.
-fn forward_transient_bytes(cfg: &Config, b: u64, t: u64, dtype: DType, device: &Device) -> u64 {
+/// The most tokens one forward batch can hold (`calib::batch_ranges`): `batch` windows of one
+/// length, at most BATCH_TOKENS tokens unless one window alone is longer. With a length mix, a
+/// batch of shorter windows can hold more tokens than one of the longest: BATCH_TOKENS.
+fn batch_tokens(seqlen: crate::calib::SeqLen, batch: u64) -> u64 {
+    let cap = crate::calib::BATCH_TOKENS as u64;
+    let t = seqlen.max() as u64;
+    match seqlen {
+        crate::calib::SeqLen::Fixed(_) => t * batch.min((cap / t.max(1)).max(1)),
+        crate::calib::SeqLen::LogUniform { .. } => (batch * t).min(cap.max(t)),
+    }
+}
+
+/// The largest per-batch forward transient for a batch of `n` tokens in windows of at most `t`,
+/// bytes.
+fn forward_transient_bytes(cfg: &Config, n: u64, t: u64, dtype: DType, device: &Device) -> u64 {
     let e = dtype.size_in_bytes() as u64;
     let h = cfg.hidden_size as u64;
     let heads = cfg.num_attention_heads as u64;
     // Sparse layers: f32 scores, masked scores and probabilities for one batch (none with
-    // the fused attention kernel, BF16 on a GPU); MLP: gate, up and their product.
+    // the fused attention kernel, BF16 on a GPU): b·T² per head, at most n·t; MLP: gate, up
+    // and their product.
     let attn = if device.is_cuda() && dtype == DType::BF16 {
         0
     } else {
-        3 * b * heads * t * t * 4
+        3 * heads * n * t * 4
     };
-    let mlp = 3 * b * t * cfg.intermediate_size as u64 * e;
-    attn.max(mlp) + 4 * b * t * h * 4
+    let mlp = 3 * n * cfg.intermediate_size as u64 * e;
+    attn.max(mlp) + 4 * n * h * 4
 }
 
 /// The FLOPs of a run's compute stages.
@@ -609,5 +621,46 @@ mod tests {
         assert_eq!(forward(8, 32_768), 2 * forward(1, 32_768));
         // Short windows are unaffected: 8 × 2048 tokens is within BATCH_TOKENS.
         assert_eq!(forward(8, 2048), 8 * forward(1, 2048));
+    }
+
+    /// A length mix up to 49,152 tokens can batch eight 8,192-token windows: 65,536 tokens, more
+    /// than one 49,152-token window (the H100 run of 128 × 4096..49152 ran out of memory when the
+    /// estimate assumed one longest window a batch).
+    #[test]
+    fn a_length_mix_counts_a_full_batch_of_shorter_windows() {
+        use crate::calib::{SeqLen, BATCH_TOKENS};
+        let mix = SeqLen::LogUniform {
+            min: 4096,
+            max: 49_152,
+        };
+        assert_eq!(batch_tokens(mix, 8), BATCH_TOKENS as u64);
+        assert_eq!(batch_tokens(mix, 1), 49_152);
+        assert_eq!(batch_tokens(SeqLen::Fixed(49_152), 8), 49_152);
+        assert_eq!(batch_tokens(SeqLen::Fixed(2048), 8), 8 * 2048);
+        assert_eq!(batch_tokens(SeqLen::Fixed(100_000), 8), 100_000);
+        // Every batch that batch_ranges forms fits the bound.
+        let windows: Vec<Vec<u32>> = [4096, 8192, 8192, 8192, 8192, 8192, 8192, 8192, 8192, 49_152]
+            .iter()
+            .map(|&n| vec![0; n])
+            .collect();
+        for r in crate::calib::batch_ranges(&windows, 8) {
+            let n: usize = windows[r].iter().map(Vec::len).sum();
+            assert!(n as u64 <= batch_tokens(mix, 8), "a batch of {n} tokens");
+        }
+        let mk = |s| {
+            Preflight::estimate(
+                &crate::model::config::preset("minicpm-sala-9b").unwrap(),
+                128,
+                s,
+                8,
+                DType::BF16,
+                &Device::Cpu,
+                true,
+                crate::quantize::Method::Gptq,
+                false,
+            )
+            .forward_bytes
+        };
+        assert!(mk(mix) > mk(SeqLen::Fixed(49_152)));
     }
 }

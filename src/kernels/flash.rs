@@ -1,6 +1,6 @@
 //! Dense causal GQA attention of the sparse layers in one fused kernel (flash-style, BF16 tensor
 //! cores, f32 softmax; `flash_attn_causal_d{D}_m{BM}` in `gptq.cu`) — CPU twin: the composed f32
-//! attention, `model::minicpm_sala::sparse_attention_composed`, compared by `tests/cuda/twins.rs`.
+//! attention, `model::nn::causal_attention_composed`, compared by `tests/cuda/twins.rs`.
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Tensor};
@@ -21,7 +21,7 @@ pub const FLASH_BLOCK_M: usize = 64;
 /// head `h / (H / KV)`; returns `o` `[B, T, H·D]` in BF16 with
 /// `o[t] = Σ_{s ≤ t} softmax_s(q_t·k_s·scale)·v_s`. The scores, the running max and sum, the
 /// rescaling and the P·V accumulator are f32; P is rounded to BF16 as the operand of P·V; the
-/// T×T scores are never stored. CPU twin: `model::minicpm_sala::sparse_attention_composed`.
+/// T×T scores are never stored. CPU twin: `model::nn::causal_attention_composed`.
 /// `D` must be one of [`flash_attention_supports`].
 pub fn flash_attention_causal(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<Tensor> {
     flash_attention_causal_tiled(q, k, v, scale, FLASH_BLOCK_M)

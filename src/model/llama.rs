@@ -17,7 +17,7 @@
 //! Precision follows the SALA forward: Linears in the model dtype, RMSNorm variance, RoPE,
 //! softmax and logits in f32.
 
-use super::nn::{causal_mask, repeat_kv, rms_norm, rope, Linear, LinearGroup};
+use super::nn::{causal_attention, rms_norm, rope, Linear, LinearGroup};
 use crate::checkpoint::Checkpoint;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
@@ -155,20 +155,7 @@ impl DecoderLayer {
         let qh = rope(&heads(&self.q, c.heads)?, &c.inv_freq)?;
         let kh = rope(&heads(&self.k, c.kv_heads)?, &c.inv_freq)?;
         let vh = heads(&self.v, c.kv_heads)?;
-        let f32t = |x: &Tensor| x.transpose(1, 2)?.to_dtype(DType::F32)?.contiguous();
-        let n_rep = c.heads / c.kv_heads;
-        let (qf, kf, vf) = (
-            f32t(&qh)?,
-            repeat_kv(&f32t(&kh)?, n_rep)?,
-            repeat_kv(&f32t(&vh)?, n_rep)?,
-        );
-        let scores = (qf.matmul(&kf.t()?.contiguous()?)? / (c.head_dim as f64).sqrt())?;
-        let masked = scores.broadcast_add(&causal_mask(t, h.device())?)?;
-        let p = candle_nn::ops::softmax_last_dim(&masked)?;
-        Ok(p.matmul(&vf)?
-            .transpose(1, 2)?
-            .reshape((b, t, c.heads * c.head_dim))?
-            .to_dtype(h.dtype())?)
+        causal_attention(&qh, &kh, &vh, false)
     }
 
     /// o_proj, residual, MLP from the attention output; `capture` sees the inputs of the `o`,

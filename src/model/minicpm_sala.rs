@@ -9,10 +9,10 @@
 use super::config::{Config, MixerKind, SparseAttention};
 use super::gla;
 use super::infllm::{self, InfllmV2};
-use super::nn::{causal_mask, repeat_kv, rms_norm, rope, rope_inv_freq, Linear, LinearGroup};
+use super::nn::{causal_attention, repeat_kv, rms_norm, rope, rope_inv_freq, Linear, LinearGroup};
 use crate::checkpoint::Checkpoint;
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 
 /// Chunk length of the chunked Simple-GLA (fla uses 64).
 pub const GLA_CHUNK: usize = 64;
@@ -186,7 +186,7 @@ impl DecoderLayer {
                 }
                 let o = match c.infllm_at(t)? {
                     Some(sc) => infllm_attention(&sc, &qh, &kh, &vh)?,
-                    None => sparse_attention(&qh, &kh, &vh, self.differentiable)?,
+                    None => causal_attention(&qh, &kh, &vh, self.differentiable)?,
                 };
                 match gate {
                     Some(g) => (o * candle_nn::ops::sigmoid(&g.forward(&x)?)?)?,
@@ -379,36 +379,6 @@ fn lightning_consts(cfg: &Config) -> Result<LayerConsts> {
     })
 }
 
-/// Dense causal GQA attention of a sparse layer: `q` `[B, T, H, D]`, `k`, `v` `[B, T, KV, D]`
-/// (after RoPE) → `[B, T, H·D]` in q's dtype. On a GPU, for BF16 tensors no gradient flows
-/// through (and not `differentiable`), the fused kernel (`kernels::flash::flash_attention_causal`,
-/// feature `cuda`: f32 softmax and accumulation, P rounded to BF16 for P·V); elsewhere
-/// [`sparse_attention_composed`], its CPU twin (docs/gpu.md, Fused attention).
-pub fn sparse_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    differentiable: bool,
-) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    {
-        use crate::kernels::flash;
-        let (b, t, _, d) = q.dims4()?;
-        let untracked = !(q.track_op() || k.track_op() || v.track_op());
-        let bf16 = [q.dtype(), k.dtype(), v.dtype()] == [DType::BF16; 3];
-        if !differentiable
-            && q.device().is_cuda()
-            && untracked
-            && bf16
-            && b * t > 0
-            && flash::flash_attention_supports(d)
-        {
-            return flash::flash_attention_causal(q, k, v, (1.0 / (d as f64).sqrt()) as f32);
-        }
-    }
-    sparse_attention_composed(q, k, v, differentiable)
-}
-
 /// Simple-GLA of a lightning layer (docs/model.md, Simple GLA): q, k `[B, T, H|KV, Dk]`, v
 /// `[B, T, KV, Dv]` in the model dtype → f32 `[B, T, H, Dv]`. On a GPU, untracked by autograd,
 /// the fused chunked kernel (`kernels::gla::forward`: each (batch, head) walks its chunks with
@@ -474,37 +444,6 @@ pub fn infllm_attention(cfg: &InfllmV2, q: &Tensor, k: &Tensor, v: &Tensor) -> R
         }
     }
     infllm::attention(cfg, q, k, v)
-}
-
-/// [`sparse_attention`] as the reference computes it, differentiable: q, k, v cast to f32,
-/// kv heads repeated, scores `q·kᵀ / sqrt(D)` plus the additive causal mask, softmax and `P·V`
-/// in f32, then cast back to q's dtype.
-pub fn sparse_attention_composed(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    differentiable: bool,
-) -> Result<Tensor> {
-    let (b, t, heads, head_dim) = q.dims4()?;
-    let f32t = |x: &Tensor| x.transpose(1, 2)?.to_dtype(DType::F32)?.contiguous();
-    let n_rep = heads / k.dim(2)?;
-    let (qf, kf, vf) = (
-        f32t(q)?,
-        repeat_kv(&f32t(k)?, n_rep)?,
-        repeat_kv(&f32t(v)?, n_rep)?,
-    );
-    let scores = (qf.matmul(&kf.t()?.contiguous()?)? / (head_dim as f64).sqrt())?;
-    let mask = causal_mask(t, q.device())?;
-    let masked = scores.broadcast_add(&mask)?;
-    let p = if differentiable {
-        candle_nn::ops::softmax(&masked, D::Minus1)?
-    } else {
-        candle_nn::ops::softmax_last_dim(&masked)?
-    };
-    Ok(p.matmul(&vf)?
-        .transpose(1, 2)?
-        .reshape((b, t, heads * head_dim))?
-        .to_dtype(q.dtype())?)
 }
 
 /// Embedding, final norm and head; decoder layers are loaded separately (one at a time when

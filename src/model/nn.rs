@@ -1,6 +1,7 @@
 //! Building blocks both decoder families share: the Linear and its Hessian groups, RMSNorm, the
 //! one RoPE, grouped-query head repetition and the causal mask (docs/model.md, Forward pass).
 
+use anyhow::Result;
 use candle_core::{DType, Device, Tensor, D};
 
 /// Linears that read the same input share one Hessian (docs/decisions.md, Hessians follow inputs).
@@ -210,4 +211,65 @@ pub(crate) fn causal_mask(t: usize, dev: &Device) -> candle_core::Result<Tensor>
             .collect();
         Tensor::from_vec(data, (t, t), dev)
     })
+}
+
+/// Dense causal GQA attention (MiniCPM-SALA's sparse layers below `dense_len`, every Llama layer): `q` `[B, T, H, D]`, `k`, `v` `[B, T, KV, D]`
+/// (after RoPE) → `[B, T, H·D]` in q's dtype. On a GPU, for BF16 tensors no gradient flows
+/// through (and not `differentiable`), the fused kernel (`kernels::flash::flash_attention_causal`,
+/// feature `cuda`: f32 softmax and accumulation, P rounded to BF16 for P·V); elsewhere
+/// [`causal_attention_composed`], its CPU twin (docs/gpu.md, Fused attention).
+pub fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    differentiable: bool,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    {
+        use crate::kernels::flash;
+        let (b, t, _, d) = q.dims4()?;
+        let untracked = !(q.track_op() || k.track_op() || v.track_op());
+        let bf16 = [q.dtype(), k.dtype(), v.dtype()] == [DType::BF16; 3];
+        if !differentiable
+            && q.device().is_cuda()
+            && untracked
+            && bf16
+            && b * t > 0
+            && flash::flash_attention_supports(d)
+        {
+            return flash::flash_attention_causal(q, k, v, (1.0 / (d as f64).sqrt()) as f32);
+        }
+    }
+    causal_attention_composed(q, k, v, differentiable)
+}
+
+/// [`causal_attention`] as the reference computes it, differentiable: q, k, v cast to f32,
+/// kv heads repeated, scores `q·kᵀ / sqrt(D)` plus the additive causal mask, softmax and `P·V`
+/// in f32, then cast back to q's dtype.
+pub fn causal_attention_composed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    differentiable: bool,
+) -> Result<Tensor> {
+    let (b, t, heads, head_dim) = q.dims4()?;
+    let f32t = |x: &Tensor| x.transpose(1, 2)?.to_dtype(DType::F32)?.contiguous();
+    let n_rep = heads / k.dim(2)?;
+    let (qf, kf, vf) = (
+        f32t(q)?,
+        repeat_kv(&f32t(k)?, n_rep)?,
+        repeat_kv(&f32t(v)?, n_rep)?,
+    );
+    let scores = (qf.matmul(&kf.t()?.contiguous()?)? / (head_dim as f64).sqrt())?;
+    let mask = causal_mask(t, q.device())?;
+    let masked = scores.broadcast_add(&mask)?;
+    let p = if differentiable {
+        candle_nn::ops::softmax(&masked, D::Minus1)?
+    } else {
+        candle_nn::ops::softmax_last_dim(&masked)?
+    };
+    Ok(p.matmul(&vf)?
+        .transpose(1, 2)?
+        .reshape((b, t, heads * head_dim))?
+        .to_dtype(q.dtype())?)
 }

@@ -581,7 +581,7 @@ fn attention_operands(
 #[test]
 fn fused_causal_attention_matches_the_composed_cpu_form() {
     use soar_gptq::kernels::flash;
-    use soar_gptq::model::minicpm_sala::{sparse_attention, sparse_attention_composed};
+    use soar_gptq::model::nn::{causal_attention, causal_attention_composed};
     let Some(dev) = gpu() else { return };
     let mut rng = SplitMix64::new(31);
     let mut failed = vec![];
@@ -607,12 +607,12 @@ fn fused_causal_attention_matches_the_composed_cpu_form() {
         // The CPU twin on the same (BF16-valued) inputs in f32, so its output is not rounded:
         // the composed BF16 form's error against it is the output rounding alone.
         let f32 = |x: &Tensor| x.to_dtype(DType::F32).unwrap();
-        let want = sparse_attention_composed(&f32(&q), &f32(&k), &f32(&v), false).unwrap();
+        let want = causal_attention_composed(&f32(&q), &f32(&k), &f32(&v), false).unwrap();
         let up = |x: &Tensor| x.to_device(&dev).unwrap();
         let (qg, kg, vg) = (up(&q), up(&k), up(&v));
         // The composed form on the GPU in BF16 (what the fused kernel replaces there): f32
         // inside, one rounding of the output.
-        let composed = to_cpu_f32(sparse_attention_composed(&qg, &kg, &vg, false).unwrap());
+        let composed = to_cpu_f32(causal_attention_composed(&qg, &kg, &vg, false).unwrap());
         let max = |t: &Tensor| {
             t.abs()
                 .unwrap()
@@ -636,8 +636,8 @@ fn fused_causal_attention_matches_the_composed_cpu_form() {
         let scale_qk = 1.0 / (shape.4 as f32).sqrt();
         for (name, got) in [
             (
-                "sparse_attention",
-                sparse_attention(&qg, &kg, &vg, false).unwrap(),
+                "causal_attention",
+                causal_attention(&qg, &kg, &vg, false).unwrap(),
             ),
             (
                 "64-row tiles",
@@ -673,7 +673,7 @@ fn fused_causal_attention_matches_the_composed_cpu_form() {
 #[ignore]
 fn attention_speed() {
     use soar_gptq::kernels::flash;
-    use soar_gptq::model::minicpm_sala::{sparse_attention, sparse_attention_composed};
+    use soar_gptq::model::nn::{causal_attention, causal_attention_composed};
     let Some(dev) = gpu() else { return };
     let mut rng = SplitMix64::new(32);
     let (b, h, t, d) = (4usize, 32usize, 2048usize, 128usize);
@@ -693,7 +693,7 @@ fn attention_speed() {
             start.elapsed().as_secs_f64() / 20.0
         };
         let scale = 1.0 / (d as f32).sqrt();
-        let composed = time(&|| sparse_attention_composed(&q, &k, &v, false).unwrap());
+        let composed = time(&|| causal_attention_composed(&q, &k, &v, false).unwrap());
         let report = |what: &str, secs: f64| {
             eprintln!(
                 "attention B {b} H {h} KV {kv} T {t} D {d} {what}: {:.3} ms, {:.1} TFLOP/s, \
@@ -705,8 +705,8 @@ fn attention_speed() {
         };
         report("composed", composed);
         report(
-            "sparse_attention",
-            time(&|| sparse_attention(&q, &k, &v, false).unwrap()),
+            "causal_attention",
+            time(&|| causal_attention(&q, &k, &v, false).unwrap()),
         );
         for bm in [64, 128] {
             report(

@@ -492,8 +492,7 @@ fn block_sparse_attention_matches_the_f64_reference_on_hand_made_selections() {
             ..ic
         };
         let sparse = infllm::block_sparse_attention(&qt, &kt, &vt, &flat, &wide).unwrap();
-        let dense = soar_gptq::model::minicpm_sala::sparse_attention_composed(&qt, &kt, &vt, false)
-            .unwrap();
+        let dense = soar_gptq::model::nn::causal_attention_composed(&qt, &kt, &vt, false).unwrap();
         let diff = (&sparse - &dense)
             .unwrap()
             .abs()

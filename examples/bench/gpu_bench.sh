@@ -17,6 +17,9 @@
 #   long    the 9.5B at LONG_N x LONG_LEN (default 16 x 49152; LONG_LEN may be MIN..MAX), LONG_FLAGS,
 #           cut at LONG_TIMEOUT s (each layer's down_proj line, stamped, shows the pace)
 #   evallong  eval-ppl --seqlen EVAL_LEN (32768) of the 9.5B against long's output (KEEP_LONG=1), plot
+#   ptx     the shipped model with CUDA_FORCE_PTX_JIT=1 (all-architecture build .gpuall/soar-allarch.xz)
+#   sm80    the shipped model with a CUDA_COMPUTE_CAP=80 build (.gpuall/soar-sm80.xz), whose PTX
+#           the driver must JIT on this GPU, against this build: files and codes compared
 #   solver  GPTQ solver on the MiniCPM-SALA shapes: our GPU and CPU solvers, and the eager
 #           PyTorch baseline (examples/bench/gptq_eager.py) on the same saved W and H;
 #           tensor-core XᵀX rates
@@ -224,6 +227,25 @@ for stage in "$@"; do
     echo "forced PTX rc $?" | tee -a "$OUT/summary.txt"
     grep -v "^ *[0-9]*: \|^ *at " $S/ptx.err | tail -6 | tee -a "$OUT/summary.txt"
     same_files $S/sass $S/ptx "SASS vs forced PTX JIT, shipped model"
+    ;;
+  sm80)
+    # The PTX path on this GPU without forcing it: a build with CUDA_COMPUTE_CAP=80 only
+    # (.gpuall/soar-sm80.xz: sm_80 SASS, which a Hopper cannot load, and compute_80 PTX, which
+    # the driver JIT-compiles) against this build's SASS, on the shipped model: files compared.
+    log "sm80"
+    [ -f .gpuall/soar-sm80.xz ] || { echo "no .gpuall/soar-sm80.xz" | tee -a "$OUT/summary.txt"; continue; }
+    [ -x $G/soar-sm80 ] || { xz -dc .gpuall/soar-sm80.xz > $G/soar-sm80 && chmod +x $G/soar-sm80; }
+    S=/tmp/sm80; rm -rf $S; mkdir -p $S
+    for bin in soar-gptq soar-sm80; do
+      rm -rf $S/$bin
+      echo -n "$bin (JIT cache off): " | tee -a "$OUT/summary.txt"
+      CUDA_CACHE_DISABLE=1 timed "$G/$bin" quantize --model examples/tiny-sala --out $S/$bin --device cuda \
+        > /dev/null 2> $S/$bin.err
+      echo "rc $? $(grep -E '^error' $S/$bin.err | head -1)" | tee -a "$OUT/summary.txt"
+      grep wall $S/$bin.err | tee -a "$OUT/summary.txt"
+    done
+    same_files $S/soar-gptq $S/soar-sm80 "sm_90a SASS vs compute_80 PTX (JIT), shipped model"
+    python3 examples/bench/compare_codes.py $S/soar-gptq $S/soar-sm80 | tee -a "$OUT/summary.txt"
     ;;
   p9b)
     # The 9.5B at 128 x 2048: the default (f64 factorization, no memory cap), then

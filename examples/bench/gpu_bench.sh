@@ -16,6 +16,10 @@
 #   cmp128  the 9.5B at 128 x 2048 with .gpu/soar-base.xz and this build
 #   long    the 9.5B at LONG_N x LONG_LEN (default 16 x 49152; LONG_LEN may be MIN..MAX), LONG_FLAGS,
 #           cut at LONG_TIMEOUT s (each layer's down_proj line, stamped, shows the pace)
+#   hostcache the 9.5B at HC_N x HC_LEN (default 16 x 49152) three ways: every layer cache on the
+#           GPU, the mixer outputs in page-locked host memory (--max-gpu-memory HC_CAP, default
+#           17.7: the hidden states and the fixed working set fill it), and recomputed (the same
+#           cap and --max-host-memory 4); stage tables and the outputs compared byte for byte
 #   evallong  eval-ppl --seqlen EVAL_LEN (32768) of the 9.5B against long's output (KEEP_LONG=1), plot
 #   ptx     the shipped model with CUDA_FORCE_PTX_JIT=1 (all-architecture build .gpuall/soar-allarch.xz)
 #   sm80    the shipped model with a CUDA_COMPUTE_CAP=80 build (.gpuall/soar-sm80.xz), whose PTX
@@ -171,7 +175,7 @@ for stage in "$@"; do
     timeout "${TWINS_TIMEOUT:-420}" "$G/cuda" --nocapture --test-threads=1 ${TWINS_ARGS:-} > /tmp/twins.log 2>&1
     echo "rc $?" >> /tmp/twins.log
     cp /tmp/twins.log "$OUT/twins.log"
-    grep -E "^test |test result|GPU vs CPU|differ|damp used|rc |panicked|assert|ms|TFLOP" /tmp/twins.log | tee -a "$OUT/summary.txt"
+    grep -E "^test |test result|GPU vs CPU|differ|damp used|rc |panicked|assert|ms|TFLOP|GB/s" /tmp/twins.log | tee -a "$OUT/summary.txt"
     ;;
   cmp128)
     # The 9.5B at 128 x 2048 (all defaults) with .gpu/soar-base.xz and this build, one after
@@ -282,17 +286,21 @@ for stage in "$@"; do
     B=/tmp/sala9b
     [ -f $B/config.json ] || timed "$SG" synth --preset minicpm-sala-9b --out $B 2>&1 | tail -2 | tee -a "$OUT/summary.txt"
     rm -rf /tmp/ql /tmp/ql.partial
-    # Cut at LONG_TIMEOUT s (default: none); every stderr line is stamped with the seconds since
-    # the start, so a cut run still shows how far it got and at what pace.
-    # (A bash loop: mawk buffers its input, so it would stamp every line at the end.)
-    t0=${EPOCHREALTIME/./}
+    # Cut at LONG_TIMEOUT s (default: none); a sampler notes every 10 s how many layers are
+    # done (their down_proj lines), so a cut run still shows how far it got and at what pace.
+    t0=$EPOCHREALTIME
     # shellcheck disable=SC2086
-    { timeout "${LONG_TIMEOUT:-0}" "$SG" quantize --model $B --out /tmp/ql --device cuda \
-        --nsamples $N --seqlen $L ${LONG_FLAGS:-} --json > /tmp/ql.json; echo "rc $?"; } 2>&1 |
-      while IFS= read -r line; do
-        d=$((${EPOCHREALTIME/./} - t0))
-        printf '%5d.%d %s\n' $((d / 1000000)) $((d / 100000 % 10)) "$line"
-      done > /tmp/ql.err
+    timeout "${LONG_TIMEOUT:-0}" "$SG" quantize --model $B --out /tmp/ql --device cuda \
+        --nsamples $N --seqlen $L ${LONG_FLAGS:-} --json > /tmp/ql.json 2> /tmp/ql.err &
+    qpid=$!
+    while kill -0 $qpid 2>/dev/null; do
+      sleep 10
+      awk -v a="$t0" -v b="$EPOCHREALTIME" -v n="$(grep -cE 'layers\.[0-9]+\.mlp\.down_proj' /tmp/ql.err)" \
+        'BEGIN { printf "pace %.0f s: %d layers done\n", b - a, n }' >> /tmp/ql.pace
+    done
+    wait $qpid; echo "rc $?" >> /tmp/ql.err
+    awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "wall %.1f s\n", b - a }' >> /tmp/ql.err
+    cat /tmp/ql.pace >> /tmp/ql.err; rm -f /tmp/ql.pace
     grep -E "preflight|activations|wall|error|rc [0-9]" /tmp/ql.err | tee -a "$OUT/summary.txt"
     grep -E "layers\.[0-9]+\.mlp\.down_proj" /tmp/ql.err | tee -a "$OUT/summary.txt"
     cp /tmp/ql.err "$OUT/long-$N-${L//./_}.err"
@@ -308,6 +316,30 @@ print("total", round(r["total_seconds"], 1), "s; peak host", (r.get("peak_rss_by
       {k: round(v / 1e9, 1) for k, v in (r.get("gpu_memory") or {}).items()})
 PY
     [ "${KEEP_LONG:-0}" = 1 ] || rm -rf /tmp/ql
+    ;;
+  hostcache)
+    N=${HC_N:-16}; L=${HC_LEN:-49152}; CAP=${HC_CAP:-17.7}
+    log "hostcache $N x $L, cap $CAP GB"
+    B=/tmp/sala9b
+    [ -f $B/config.json ] || timed "$SG" synth --preset minicpm-sala-9b --out $B 2>&1 | tail -2 | tee -a "$OUT/summary.txt"
+    for how in device host recompute; do
+      case $how in
+        device) a="" ;;
+        host) a="--max-gpu-memory $CAP" ;;
+        recompute) a="--max-gpu-memory $CAP --max-host-memory 4" ;;
+      esac
+      rm -rf /tmp/hc-$how /tmp/hc-$how.partial
+      # shellcheck disable=SC2086
+      timed "$SG" quantize --model $B --out /tmp/hc-$how --device cuda --nsamples $N --seqlen $L \
+        $a > /tmp/hc-$how.txt 2> /tmp/hc-$how.err
+      echo "$how: rc $?" | tee -a "$OUT/summary.txt"
+      grep -E "activations|wall|error" /tmp/hc-$how.err | tee -a "$OUT/summary.txt"
+      grep -E "^stages|GPU memory" /tmp/hc-$how.txt | tee -a "$OUT/summary.txt"
+      cp /tmp/hc-$how.err "$OUT/hostcache-$how.err"
+    done
+    same_files /tmp/hc-device /tmp/hc-host "host-memory mixer cache against all on the GPU"
+    same_files /tmp/hc-device /tmp/hc-recompute "recomputed mixers against all on the GPU"
+    rm -rf /tmp/hc-device /tmp/hc-host /tmp/hc-recompute
     ;;
   evallong)
     # eval-ppl of the 9.5B and the long-calibrated output at EVAL_LEN tokens (default 32768),

@@ -20,7 +20,7 @@
 //! raw addresses, the fatbins loaded once per device, launching), `blas.rs` (cuBLAS/cuSOLVER
 //! handles and status, `Real`, the precision of a factorization), `transfer.rs` (page-locked
 //! staging of the codes, device to host, and of the next decoder layer's weights, `PinnedStage`,
-//! host to device), `memory.rs` (free and used memory, the stream-ordered pool, the FP64 rate),
+//! host to device; `CopyStream`, the layer caches out and back on a second stream), `memory.rs` (free and used memory, the stream-ordered pool, the FP64 rate),
 //! `trace.rs` (`SOAR_GPTQ_TRACE` phase timings).
 //!
 //! The CPU build (the default, and CI) compiles none of this; `tests/cuda/twins.rs` (and

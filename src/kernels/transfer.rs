@@ -1,13 +1,14 @@
 //! Transfers through page-locked host memory, at the link's speed instead of the driver's staged
-//! copy of pageable memory: the codes of a solve to the host ([`codes_to_host`]) and the next
-//! decoder layer's weights to the device ([`PinnedStage`]).
+//! copy of pageable memory: the codes of a solve to the host ([`codes_to_host`]), the next
+//! decoder layer's weights to the device ([`PinnedStage`]), and the per-batch layer caches that
+//! do not fit the GPU, out and back on a second stream beside the computation ([`CopyStream`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, ensure, Result};
 use candle_core::{DType, Device, Tensor};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, HostSlice};
 use rayon::prelude::*;
 
 use super::cuda::{cuda, wrap};
@@ -146,5 +147,159 @@ impl PinnedStage {
             _ => return Ok(None),
         };
         Ok(Some(t))
+    }
+}
+
+/// One tensor held in page-locked host memory between two passes over a layer (a batch's
+/// mixer output that the GPU budget could not keep). The buffer is reused from layer to layer.
+pub struct PinnedTensor {
+    buf: cudarc::driver::PinnedHostSlice<u8>,
+    dtype: DType,
+    shape: Vec<usize>,
+}
+
+impl PinnedTensor {
+    pub fn capacity(&self) -> usize {
+        self.buf.len()
+    }
+}
+
+/// A copy queued on the copy stream, and the device tensor it reads (device to host) or writes
+/// (host to device). The device's stream waits for the copy before the tensor is used
+/// ([`InFlight::finish`]) or freed (when dropped unfinished).
+pub struct InFlight {
+    tensor: Option<Tensor>,
+    done: CudaEvent,
+    main: Arc<CudaStream>,
+}
+
+impl InFlight {
+    /// The tensor, for the device's stream: the stream waits for the copy before anything
+    /// queued after this call.
+    pub fn finish(mut self) -> Result<Tensor> {
+        self.main.wait(&self.done)?;
+        Ok(self
+            .tensor
+            .take()
+            .expect("an unfinished copy holds its tensor"))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.tensor.is_some() {
+            // The tensor's memory returns to the stream-ordered pool on the device's stream:
+            // only after the copy that reads or writes it.
+            let _ = self.main.wait(&self.done);
+        }
+    }
+}
+
+/// A second stream on the device's context for copies between the device and page-locked host
+/// memory, so that they overlap the computation on the device's own stream (which candle and
+/// every kernel use). Every copy starts after the work queued on the device's stream so far, and
+/// the device's stream waits for a copy before it uses or frees the tensor ([`InFlight`]);
+/// buffers are written and read in the copy stream's order.
+pub struct CopyStream {
+    dev: candle_core::CudaDevice,
+    main: Arc<CudaStream>,
+    copy: Arc<CudaStream>,
+}
+
+impl CopyStream {
+    pub fn new(device: &Device) -> Result<Self> {
+        let dev = cuda(device)?.clone();
+        let main = dev.cuda_stream();
+        let copy = main.context().new_stream()?;
+        Ok(Self { dev, main, copy })
+    }
+
+    /// A page-locked buffer of `bytes` bytes (cached: the CPU never reads it).
+    pub fn alloc(&self, bytes: usize) -> Result<PinnedTensor> {
+        let buf = unsafe {
+            self.main
+                .context()
+                .alloc_pinned_with_flags::<u8>(bytes.max(1), 0)
+        }?;
+        Ok(PinnedTensor {
+            buf,
+            dtype: DType::U8,
+            shape: vec![0],
+        })
+    }
+
+    /// The copy stream waits for what the device's stream has queued so far.
+    fn after_main(&self) -> Result<()> {
+        let queued = self.main.record_event(None)?;
+        self.copy.wait(&queued)?;
+        Ok(())
+    }
+
+    /// Queues the copy of `t` (a contiguous CUDA tensor) into `dst`; `t` is held by the
+    /// returned copy until [`finish`](Self::finish).
+    pub fn store(&self, t: &Tensor, dst: &mut PinnedTensor) -> Result<InFlight> {
+        let t = t.contiguous()?;
+        let n = t.elem_count() * t.dtype().size_in_bytes();
+        ensure!(
+            n <= dst.capacity(),
+            "internal: a {n}-byte tensor does not fit a {}-byte page-locked buffer",
+            dst.capacity()
+        );
+        self.after_main()?;
+        let src = super::cuda::tensor_ptr(&t)?;
+        {
+            let (host, _record) = unsafe { dst.buf.stream_synced_mut_slice(&self.copy) };
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(
+                    &mut host[..n],
+                    src,
+                    self.copy.cu_stream(),
+                )
+            }?;
+        }
+        dst.dtype = t.dtype();
+        dst.shape = t.dims().to_vec();
+        self.in_flight(t)
+    }
+
+    /// Queues the copy of what `src` holds into a new tensor on the device.
+    pub fn load(&self, src: &PinnedTensor) -> Result<InFlight> {
+        let shape = src.shape.clone();
+        let n: usize = shape.iter().product();
+        let bytes = n * src.dtype.size_in_bytes();
+        macro_rules! copy {
+            ($t:ty) => {{
+                let mut dst: CudaSlice<$t> = unsafe { self.main.alloc(n) }?;
+                self.after_main()?;
+                {
+                    let (ptr, _record) = dst.device_ptr_mut(&self.copy);
+                    let (host, _hrec) = unsafe { src.buf.stream_synced_slice(&self.copy) };
+                    unsafe {
+                        cudarc::driver::result::memcpy_htod_async(
+                            ptr,
+                            &host[..bytes],
+                            self.copy.cu_stream(),
+                        )
+                    }?;
+                }
+                wrap(dst, &self.dev, &shape)
+            }};
+        }
+        let tensor = match src.dtype {
+            DType::BF16 => copy!(half::bf16),
+            DType::F16 => copy!(half::f16),
+            DType::F32 => copy!(f32),
+            other => anyhow::bail!("internal: no page-locked copy of {other:?} tensors"),
+        };
+        self.in_flight(tensor)
+    }
+
+    /// `tensor` held until the copies queued so far are done.
+    fn in_flight(&self, tensor: Tensor) -> Result<InFlight> {
+        Ok(InFlight {
+            tensor: Some(tensor),
+            done: self.copy.record_event(None)?,
+            main: self.main.clone(),
+        })
     }
 }

@@ -148,8 +148,9 @@ pub struct Settings {
     /// layer caches are recomputed as needed (docs/usage.md, Memory).
     #[arg(long, value_parser = parse_gb)]
     pub max_gpu_memory: Option<f64>,
-    /// Keep at most this many GB of activations in host memory; the rest spills to disk under
-    /// the output's partial folder.
+    /// Keep at most this many GB of activations in host memory (hidden states, and beside a GPU
+    /// the mixer outputs it cannot keep); states beyond it spill to disk under the output's
+    /// partial folder, mixer outputs are recomputed.
     #[arg(long, value_parser = parse_gb)]
     pub max_host_memory: Option<f64>,
     /// Largest output shard in bytes.

@@ -408,12 +408,14 @@ impl Tier {
     }
 }
 
-/// Where a run keeps its activations: the hidden states' tier, and the bytes the per-layer
-/// caches may hold on the compute device (what does not fit is recomputed).
+/// Where a run keeps its activations: the hidden states' tier, the bytes the per-layer caches
+/// may hold on the compute device, and the bytes of host memory the mixer outputs may take
+/// beside a GPU (what fits neither is recomputed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct Residency {
     pub states: Tier,
     pub cache_bytes: u64,
+    pub host_cache_bytes: u64,
 }
 
 impl Residency {
@@ -422,6 +424,7 @@ impl Residency {
         Self {
             states: Tier::Device,
             cache_bytes: u64::MAX,
+            host_cache_bytes: 0,
         }
     }
 }
@@ -515,6 +518,7 @@ impl MemoryPlan {
         } else {
             budget
         };
+        let host_cache_bytes = host_cache_bytes(p, cuda, tier, host, cache_bytes);
         Ok(Self {
             device_bytes: device,
             fixed_bytes: fixed,
@@ -523,19 +527,27 @@ impl MemoryPlan {
             residency: Residency {
                 states: tier,
                 cache_bytes,
+                host_cache_bytes,
             },
             host_bytes: host,
         })
     }
 
     pub fn line(&self) -> String {
-        let kept = if self.caches_bytes == 0 || self.residency.cache_bytes >= self.caches_bytes {
+        let r = &self.residency;
+        let pct = |b: u64| 100.0 * b as f64 / self.caches_bytes as f64;
+        let kept = if self.caches_bytes == 0 || r.cache_bytes >= self.caches_bytes {
             "kept".to_string()
-        } else {
+        } else if r.host_cache_bytes > 0 {
             format!(
-                "{:.0}% kept, the rest recomputed",
-                100.0 * self.residency.cache_bytes as f64 / self.caches_bytes as f64
+                "{:.0}% kept on the GPU and {:.0}% in host memory ({:.1} GB of mixer outputs), \
+                 the rest recomputed",
+                pct(r.cache_bytes),
+                pct(r.host_cache_bytes),
+                r.host_cache_bytes as f64 / 1e9
             )
+        } else {
+            format!("{:.0}% kept, the rest recomputed", pct(r.cache_bytes))
         };
         format!(
             "activations: hidden states {:.1} GB {}; layer caches {:.1} GB {kept}",
@@ -544,6 +556,37 @@ impl MemoryPlan {
             self.caches_bytes as f64 / 1e9,
         )
     }
+}
+
+/// Host memory for the mixer outputs the GPU budget cannot keep (`cache_bytes` on the device
+/// goes to them first): what they need beyond it, within the host memory the hidden states leave
+/// (less 4 GB for the run's own buffers: staged layers, packed codes). Zero on the CPU, where
+/// the device is the host, and without true-sequential subsets (no caches).
+fn host_cache_bytes(
+    p: &Preflight,
+    cuda: bool,
+    tier: Tier,
+    host: Option<u64>,
+    cache_bytes: u64,
+) -> u64 {
+    const RUN_OWN: u64 = 4_000_000_000;
+    if !cuda || p.layer_cache_bytes == 0 {
+        return 0;
+    }
+    // The mixer outputs have the hidden states' width (heads × head_dim = hidden_size in every
+    // config we take), one per stream.
+    let mixers = p.hidden_states_bytes * p.streams;
+    let need = mixers.saturating_sub(cache_bytes);
+    let states_on_host = if tier == Tier::Host {
+        p.hidden_states_bytes * p.streams
+    } else {
+        0
+    };
+    let avail = host
+        .unwrap_or(0)
+        .saturating_sub(states_on_host)
+        .saturating_sub(RUN_OWN);
+    need.min(avail)
 }
 
 /// GPU memory actually used: `(pool high-water mark of live allocations, reserved high-water
@@ -642,5 +685,47 @@ mod tests {
         assert!(
             sala9b(128, mix, 8).forward_bytes > sala9b(128, SeqLen::Fixed(49_152), 8).forward_bytes
         );
+    }
+
+    /// 128 × 49,152 tokens of the 9.5B under a 70 GB GPU cap: the hidden states (51.5 GB) fill
+    /// the GPU, so the mixer outputs go to host memory where it has room (not on the CPU, not
+    /// beyond what the host offers), and the plan says so.
+    #[test]
+    fn mixer_outputs_the_gpu_cannot_keep_go_to_host_memory() {
+        let gb = |x: f64| (x * 1e9) as u64;
+        let mut p = sala9b(128, SeqLen::Fixed(49_152), 8);
+        // Estimated for the CPU, whose composed attention keeps T² scores: the GPU's transient
+        // has none (8.1 GB, the MLP's).
+        p.forward_bytes = gb(8.1);
+        let plan =
+            |cuda, host| MemoryPlan::new(&p, cuda, Some(gb(80.0)), Some(gb(70.0)), host, None);
+        let big = plan(true, Some(gb(120.0))).unwrap();
+        let r = big.residency;
+        assert_eq!(r.states, Tier::Device);
+        assert!(r.cache_bytes < gb(15.0), "{}", big.line());
+        assert_eq!(
+            r.cache_bytes + r.host_cache_bytes,
+            p.hidden_states_bytes,
+            "{}",
+            big.line()
+        );
+        assert!(big.line().contains("in host memory"), "{}", big.line());
+        // A smaller host: what it offers beyond 10% and the run's own 4 GB.
+        let small = plan(true, Some(gb(30.0))).unwrap().residency;
+        assert_eq!(small.host_cache_bytes, gb(27.0) - gb(4.0));
+        assert_eq!(plan(true, None).unwrap().residency.host_cache_bytes, 0);
+        assert_eq!(
+            plan(false, Some(gb(120.0)))
+                .unwrap()
+                .residency
+                .host_cache_bytes,
+            0
+        );
+        // 128 × 2,048: the GPU keeps every cache, nothing goes to the host.
+        let short = sala9b(128, SeqLen::Fixed(2048), 8);
+        let r = MemoryPlan::new(&short, true, Some(gb(80.0)), None, Some(gb(120.0)), None)
+            .unwrap()
+            .residency;
+        assert_eq!(r.host_cache_bytes, 0);
     }
 }

@@ -340,3 +340,97 @@ fn kernel_speed_at_long_and_batched_windows() {
         assert!(within(e), "B {b} T {t}: rel err {e:.3e}");
     }
 }
+
+/// Where a 9.5B layer's mixer time goes at one 49,152-token window (random weights of the
+/// `minicpm-sala-9b` preset's shapes, BF16): `mixer_output` of a lightning layer (layer 1) and of
+/// a sparse layer (layer 0, InfLLM-v2), and beside them the projections alone (the GEMMs of
+/// q/k/v/z or q/k/v/o_gate), device-synchronized, mean of 3 calls after a warm-up. Prints the
+/// times (docs/benchmarks.md); asserts only that the outputs are finite.
+#[test]
+fn mixer_times_of_the_9b_layers_at_a_long_window() {
+    use soar_gptq::model::config::preset;
+    use soar_gptq::model::minicpm_sala::DecoderLayer;
+    let Some(dev) = gpu() else { return };
+    // As the pipeline runs: freed memory stays in the pool (else every call maps fresh pages).
+    soar_gptq::kernels::memory::keep_pool_memory(&dev).unwrap();
+    let cfg = preset("minicpm-sala-9b").unwrap();
+    let shapes: std::collections::HashMap<String, Vec<usize>> =
+        cfg.expected_tensors().into_iter().collect();
+    let get = |name: &str| -> anyhow::Result<Tensor> {
+        let shape = &shapes[name];
+        let std = if shape.len() == 2 { 0.02 } else { 0.0 };
+        let t = Tensor::randn(0f32, 1f32, shape.as_slice(), &dev)?;
+        let t = if shape.len() == 2 { (t * std)? } else { t.ones_like()? };
+        Ok(t.to_dtype(DType::BF16)?)
+    };
+    let t = 49_152usize;
+    let h = Tensor::randn(0f32, 1f32, (1, t, cfg.hidden_size), &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let time = |f: &dyn Fn() -> Tensor| -> f64 {
+        let out = f();
+        dev.synchronize().unwrap();
+        let start = std::time::Instant::now();
+        for _ in 0..3 {
+            f();
+        }
+        dev.synchronize().unwrap();
+        let finite = out
+            .to_dtype(DType::F32)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            .is_finite();
+        assert!(finite);
+        start.elapsed().as_secs_f64() / 3.0 * 1e3
+    };
+    // The layer's GEMM shapes alone, as `Linear::forward` runs them (x · Wᵀ, BF16).
+    for (name, k, n) in [
+        ("q/o (4096 → 4096)", 4096, 4096),
+        ("gate or up (4096 → 16384)", 4096, 16_384),
+        ("down (16384 → 4096)", 16_384, 4096),
+    ] {
+        let x = Tensor::randn(0f32, 1f32, (t, k), &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let w = Tensor::randn(0f32, 0.02f32, (n, k), &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let ms = time(&|| x.matmul(&w.t().unwrap()).unwrap());
+        eprintln!(
+            "GEMM {name}, M {t}: {ms:.2} ms, {:.0} TFLOP/s",
+            2.0 * (t * k * n) as f64 / ms / 1e9
+        );
+    }
+    for (i, kind, proj) in [
+        (1usize, "lightning", &["q_proj", "k_proj", "v_proj", "z_proj"][..]),
+        (0, "sparse", &["q_proj", "k_proj", "v_proj", "o_gate"][..]),
+    ] {
+        let layer = DecoderLayer::from_tensors(&cfg, i, &get).unwrap();
+        let x = layer.input_norm(&h).unwrap().reshape((t, ())).unwrap();
+        let ws: Vec<Tensor> = proj
+            .iter()
+            .map(|p| get(&format!("model.layers.{i}.self_attn.{p}.weight")).unwrap())
+            .collect();
+        let gemms = time(&|| {
+            let mut last = None;
+            for w in &ws {
+                last = Some(x.matmul(&w.t().unwrap()).unwrap());
+            }
+            last.unwrap()
+        });
+        let whole = time(&|| layer.mixer_output(&h).unwrap());
+        eprintln!(
+            "{kind} mixer, T {t}: {whole:.1} ms, of which the projections {gemms:.1} ms \
+             and the rest (norms, RoPE, the kernel, gates) {:.1} ms",
+            whole - gemms
+        );
+    }
+}

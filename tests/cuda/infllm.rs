@@ -940,3 +940,66 @@ fn dev_name() -> String {
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|| "GPU".into())
 }
+
+/// Where a sparse layer's InfLLM-v2 time goes at one 49,152-token window with the released
+/// settings (H 32, KV 2): the two key compressions, stage 1 and the block scores, the top-k
+/// selection and the block-sparse attention, each device-synchronized, mean of 5 calls after a
+/// warm-up; the attention's FLOPs are counted over the keys each row attends. Prints the times
+/// (docs/benchmarks.md); asserts only that the stages compose to `attention`'s output.
+#[test]
+fn stage_times_at_a_long_window() {
+    let Some(dev) = gpu() else { return };
+    soar_gptq::kernels::memory::keep_pool_memory(&dev).unwrap();
+    let cfg = released();
+    let p = params(&cfg);
+    let (b, t, h, kv) = (1usize, 49_152usize, 32usize, 2usize);
+    let randn = |n| {
+        Tensor::randn(0f32, 1f32, (b, t, n, D), &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap()
+    };
+    let (q, k, v) = (randn(h), randn(kv), randn(kv));
+    let time = |what: &str, f: &dyn Fn() -> Tensor| -> (f64, Tensor) {
+        let out = f();
+        dev.synchronize().unwrap();
+        let start = Instant::now();
+        for _ in 0..5 {
+            f();
+        }
+        dev.synchronize().unwrap();
+        let s = start.elapsed().as_secs_f64() / 5.0;
+        eprintln!("InfLLM-v2 T {t}: {what} {:.3} ms", s * 1e3);
+        (s, out)
+    };
+    let (_, k1) = time("compress k1", &|| {
+        infllm::compress_keys(&k, cfg.kernel_size, cfg.kernel_stride).unwrap()
+    });
+    let (_, k2) = time("compress k2", &|| {
+        infllm::compress_keys(&k, 4 * cfg.kernel_size, 4 * cfg.kernel_stride).unwrap()
+    });
+    let (_, scores) = time("block scores", &|| ginf::block_scores(&q, &k1, &k2, &p).unwrap());
+    let (_, sel) = time("select", &|| ginf::select(&scores, t, &p).unwrap());
+    let (secs, o) = time("attend", &|| ginf::attend(&q, &k, &v, &sel, p.block_size).unwrap());
+    // Keys a row attends: its selected blocks, the last one up to the row itself.
+    let keys: f64 = (0..t)
+        .map(|i| (cfg.k(i + 1).min(i / cfg.block_size + 1) * cfg.block_size).min(i + 1) as f64)
+        .sum();
+    eprintln!(
+        "InfLLM-v2 T {t}: attend {:.1} TFLOP/s over {:.0} keys a row on average",
+        4.0 * keys * (h * D) as f64 / secs / 1e12,
+        keys / t as f64
+    );
+    let (_, whole) = time("attention (all stages)", &|| {
+        ginf::attention(&q, &k, &v, &k1, &k2, &p).unwrap()
+    });
+    let diff = (o.to_dtype(DType::F32).unwrap() - whole.to_dtype(DType::F32).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert_eq!(diff, 0.0, "the stages compose to attention's output");
+}

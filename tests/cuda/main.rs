@@ -5,4 +5,5 @@
 
 mod gla;
 mod infllm;
+mod transfer;
 mod twins;

@@ -79,7 +79,7 @@ struct Stream<'a> {
 impl Stream<'_> {
     /// The mixer output of batch `bi`: kept from the o_proj pass, or recomputed.
     fn mixer(&mut self, bi: usize, h: &Tensor, budget: &mut Budget) -> Result<Tensor> {
-        match self.mixer.take(bi, budget) {
+        match self.mixer.take(bi, budget)? {
             Some(m) => Ok(m),
             None => self.layer.mixer_output(h),
         }
@@ -88,7 +88,7 @@ impl Stream<'_> {
     /// The MLP activation of batch `bi` from its post-attention state `h1`: kept from the
     /// down_proj pass, or recomputed.
     fn act(&mut self, bi: usize, h1: &Tensor, budget: &mut Budget) -> Result<Tensor> {
-        match self.act.take(bi, budget) {
+        match self.act.take(bi, budget)? {
             Some(a) => Ok(a),
             None => self.layer.mlp_act(&self.layer.mlp_input(h1)?),
         }
@@ -135,7 +135,7 @@ impl<'r, 's> Pass<'r, 's> {
             states,
             fp_states,
             calibrate,
-            budget: Budget::new(r.cache_bytes),
+            budget: Budget::new(r.cache_bytes, r.host_cache_bytes, &compute.device)?,
             clock,
             stages,
             pb,
@@ -196,8 +196,8 @@ impl<'r, 's> Pass<'r, 's> {
         };
         let mut out = LayerResult::default();
         let (mut caches, mut fp_caches) = (
-            (Cache::default(), Cache::default()),
-            (Cache::default(), Cache::default()),
+            (Cache::with_host(), Cache::default()),
+            (Cache::with_host(), Cache::default()),
         );
         for groups in subsets {
             let mut subset = self.subset(&mut layer, i, groups)?;
@@ -624,7 +624,7 @@ fn group_input(
                 _ => stages.mixer_attention += t,
             }
             let x = flat(&m)?;
-            s.mixer.put(bi, m, budget);
+            s.mixer.put(bi, m, budget)?;
             Ok(x)
         }
         LinearGroup::GateUp => {
@@ -637,7 +637,7 @@ fn group_input(
         LinearGroup::Down => {
             let act = s.layer.mlp_act(&s.layer.mlp_input(&h)?)?;
             let x = flat(&act)?;
-            s.act.put(bi, act, budget);
+            s.act.put(bi, act, budget)?;
             Ok(x)
         }
     }

@@ -13,15 +13,155 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use std::path::{Path, PathBuf};
 
-/// Bytes left for the optional per-batch caches.
-#[derive(Debug)]
+/// Bytes left for the optional per-batch caches: on the compute device, and for the caches
+/// that may go there (the mixer outputs), in page-locked host memory beside a GPU.
 pub struct Budget {
     left: u64,
+    host: HostTier,
 }
 
 impl Budget {
-    pub fn new(bytes: u64) -> Self {
-        Self { left: bytes }
+    /// `bytes` on the compute device and `host_bytes` in host memory (0 on the CPU: the device
+    /// is the host).
+    pub fn new(bytes: u64, host_bytes: u64, device: &Device) -> Result<Self> {
+        Ok(Self {
+            left: bytes,
+            host: HostTier::new(host_bytes, device)?,
+        })
+    }
+}
+
+/// Host memory for the caches the device budget cannot keep: page-locked buffers, reused from
+/// layer to layer, filled and emptied by copies on a second stream that overlap the
+/// computation (`kernels::transfer::CopyStream`); without a GPU (the unit tests), plain copies.
+struct HostTier {
+    /// Bytes not yet given to a buffer.
+    left: u64,
+    free: Vec<HostBuf>,
+    /// The last copy to the host, whose source the device's stream frees only after it.
+    #[cfg(feature = "cuda")]
+    pending: Option<crate::kernels::transfer::InFlight>,
+    #[cfg(feature = "cuda")]
+    copies: Option<crate::kernels::transfer::CopyStream>,
+}
+
+/// One host buffer of the tier and what it holds.
+enum HostBuf {
+    #[cfg(feature = "cuda")]
+    Pinned(crate::kernels::transfer::PinnedTensor),
+    Plain {
+        cap: usize,
+        t: Option<Tensor>,
+    },
+}
+
+impl HostBuf {
+    fn capacity(&self) -> usize {
+        match self {
+            #[cfg(feature = "cuda")]
+            Self::Pinned(p) => p.capacity(),
+            Self::Plain { cap, .. } => *cap,
+        }
+    }
+}
+
+impl HostTier {
+    fn new(bytes: u64, device: &Device) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        let copies = if device.is_cuda() && bytes > 0 {
+            Some(crate::kernels::transfer::CopyStream::new(device)?)
+        } else {
+            None
+        };
+        let _ = device;
+        Ok(Self {
+            left: bytes,
+            free: vec![],
+            #[cfg(feature = "cuda")]
+            pending: None,
+            #[cfg(feature = "cuda")]
+            copies,
+        })
+    }
+
+    /// A free buffer of at least `n` bytes: one kept from an earlier layer, or a new one while
+    /// the budget lasts (smaller free buffers are given up for it: a length mix's windows
+    /// differ in size).
+    fn buffer(&mut self, n: usize) -> Result<Option<HostBuf>> {
+        if let Some(i) = self.free.iter().position(|b| b.capacity() >= n) {
+            return Ok(Some(self.free.swap_remove(i)));
+        }
+        while self.left < n as u64 {
+            let Some(b) = self.free.pop() else {
+                return Ok(None);
+            };
+            self.left += b.capacity() as u64;
+        }
+        self.left -= n as u64;
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &self.copies {
+            return Ok(Some(HostBuf::Pinned(c.alloc(n)?)));
+        }
+        Ok(Some(HostBuf::Plain { cap: n, t: None }))
+    }
+
+    /// Copies `t` into a host buffer, or gives it back when none is left.
+    fn store(&mut self, t: Tensor) -> Result<Option<HostBuf>> {
+        let Some(mut buf) = self.buffer(nbytes(&t) as usize)? else {
+            return Ok(None);
+        };
+        match &mut buf {
+            #[cfg(feature = "cuda")]
+            HostBuf::Pinned(p) => {
+                let c = self
+                    .copies
+                    .as_ref()
+                    .expect("pinned buffers come with a copy stream");
+                // The previous copy's source may be freed now: this one was queued after it.
+                self.pending = Some(c.store(&t, p)?);
+            }
+            HostBuf::Plain { t: slot, .. } => *slot = Some(t.to_device(&Device::Cpu)?),
+        }
+        Ok(Some(buf))
+    }
+
+    /// Starts bringing `buf`'s tensor back to `device`; the buffer is free again (a later copy
+    /// into it is queued after this one).
+    fn load(&mut self, mut buf: HostBuf, device: &Device) -> Result<Loaded> {
+        let loaded = match &mut buf {
+            #[cfg(feature = "cuda")]
+            HostBuf::Pinned(p) => {
+                let c = self
+                    .copies
+                    .as_ref()
+                    .expect("pinned buffers come with a copy stream");
+                Loaded::InFlight(c.load(p)?)
+            }
+            HostBuf::Plain { t, .. } => Loaded::Ready(
+                t.take()
+                    .expect("a stored buffer holds its tensor")
+                    .to_device(device)?,
+            ),
+        };
+        self.free.push(buf);
+        Ok(loaded)
+    }
+}
+
+/// A cached tensor on its way back to the device.
+enum Loaded {
+    Ready(Tensor),
+    #[cfg(feature = "cuda")]
+    InFlight(crate::kernels::transfer::InFlight),
+}
+
+impl Loaded {
+    fn finish(self) -> Result<Tensor> {
+        match self {
+            Self::Ready(t) => Ok(t),
+            #[cfg(feature = "cuda")]
+            Self::InFlight(f) => f.finish(),
+        }
     }
 }
 
@@ -173,37 +313,101 @@ fn raw_bytes(t: &Tensor) -> Result<Vec<u8>> {
     })
 }
 
-/// A per-batch cache of a layer's intermediate (mixer outputs or MLP activations): kept while
-/// the budget lasts, else left for the pass that needs it to recompute.
+/// A per-batch cache of a layer's intermediate (mixer outputs or MLP activations): kept on the
+/// device while the budget lasts, then (for a cache that allows it) in host memory, else left
+/// for the pass that needs it to recompute.
 #[derive(Default)]
 pub struct Cache {
-    slots: Vec<Option<Tensor>>,
+    slots: Vec<Option<Kept>>,
+    /// Whether batches the device budget cannot keep go to host memory: worth it where the
+    /// copy there and back costs less than recomputing (the mixer outputs; an MLP activation is
+    /// 4× larger and its recomputation is one GEMM).
+    host_ok: bool,
+    device: Option<Device>,
+}
+
+enum Kept {
+    Device(Tensor),
+    Host(HostBuf),
+    Loading(Loaded),
 }
 
 impl Cache {
+    /// A cache whose overflow goes to the budget's host memory.
+    pub fn with_host() -> Self {
+        Self {
+            host_ok: true,
+            ..Self::default()
+        }
+    }
+
     /// Keeps batch `bi`'s tensor if `budget` allows.
-    pub fn put(&mut self, bi: usize, t: Tensor, budget: &mut Budget) {
+    pub fn put(&mut self, bi: usize, t: Tensor, budget: &mut Budget) -> Result<()> {
         let n = nbytes(&t);
         if self.slots.len() <= bi {
-            self.slots.resize(bi + 1, None);
+            self.slots.resize_with(bi + 1, || None);
         }
+        self.device = Some(t.device().clone());
         if n <= budget.left {
             budget.left -= n;
-            self.slots[bi] = Some(t);
+            self.slots[bi] = Some(Kept::Device(t));
+        } else if self.host_ok {
+            self.slots[bi] = budget.host.store(t)?.map(Kept::Host);
         }
+        Ok(())
     }
 
-    /// Batch `bi`'s tensor if it was kept (its bytes go back to `budget`).
-    pub fn take(&mut self, bi: usize, budget: &mut Budget) -> Option<Tensor> {
-        let t = self.slots.get_mut(bi)?.take()?;
-        budget.left += nbytes(&t);
-        Some(t)
+    /// Batch `bi`'s tensor if it was kept (its bytes go back to `budget`). Taking a batch from
+    /// host memory also starts bringing back the next batch kept there, so that its copy
+    /// overlaps this batch's computation.
+    pub fn take(&mut self, bi: usize, budget: &mut Budget) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        {
+            budget.host.pending = None;
+        }
+        let Some(kept) = self.slots.get_mut(bi).and_then(Option::take) else {
+            return Ok(None);
+        };
+        let t = match kept {
+            Kept::Device(t) => {
+                budget.left += nbytes(&t);
+                return Ok(Some(t));
+            }
+            Kept::Host(buf) => budget.host.load(buf, self.device()?)?,
+            Kept::Loading(l) => l,
+        };
+        if let Some(next) =
+            (bi + 1..self.slots.len()).find(|&j| matches!(self.slots[j], Some(Kept::Host(_))))
+        {
+            let Some(Kept::Host(buf)) = self.slots[next].take() else {
+                unreachable!("just matched")
+            };
+            let device = self.device()?.clone();
+            self.slots[next] = Some(Kept::Loading(budget.host.load(buf, &device)?));
+        }
+        Ok(Some(t.finish()?))
     }
 
-    /// How many batches are kept.
+    fn device(&self) -> Result<&Device> {
+        self.device
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("internal: a cache holds batches but no device"))
+    }
+
+    /// How many batches are kept (on the device, in host memory).
     #[cfg(test)]
-    pub fn kept(&self) -> usize {
-        self.slots.iter().filter(|s| s.is_some()).count()
+    pub fn kept(&self) -> (usize, usize) {
+        let on_device = self
+            .slots
+            .iter()
+            .filter(|s| matches!(s, Some(Kept::Device(_))))
+            .count();
+        let on_host = self
+            .slots
+            .iter()
+            .filter(|s| matches!(s, Some(Kept::Host(_) | Kept::Loading(_))))
+            .count();
+        (on_device, on_host)
     }
 }
 
@@ -249,14 +453,73 @@ mod tests {
     #[test]
     fn the_cache_keeps_what_the_budget_allows_and_returns_it() {
         let t = Tensor::zeros((4, 4), DType::F32, &Device::Cpu).unwrap(); // 64 bytes
-        let mut b = Budget::new(100);
+        let mut b = Budget::new(100, 0, &Device::Cpu).unwrap();
         let mut c = Cache::default();
-        c.put(0, t.clone(), &mut b);
-        c.put(1, t.clone(), &mut b);
-        assert_eq!(c.kept(), 1);
-        assert!(c.take(1, &mut b).is_none());
-        assert!(c.take(0, &mut b).is_some());
-        c.put(2, t, &mut b);
-        assert_eq!(c.kept(), 1);
+        c.put(0, t.clone(), &mut b).unwrap();
+        c.put(1, t.clone(), &mut b).unwrap();
+        assert_eq!(c.kept(), (1, 0));
+        assert!(c.take(1, &mut b).unwrap().is_none());
+        assert!(c.take(0, &mut b).unwrap().is_some());
+        c.put(2, t, &mut b).unwrap();
+        assert_eq!(c.kept(), (1, 0));
+    }
+
+    fn batch(v: f32, rows: usize) -> Tensor {
+        (Tensor::arange(0f32, (rows * 4) as f32, &Device::Cpu)
+            .unwrap()
+            .reshape((rows, 4))
+            .unwrap()
+            + v as f64)
+            .unwrap()
+    }
+
+    fn values(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    #[test]
+    fn what_the_device_cannot_keep_goes_to_host_memory_and_comes_back_in_order() {
+        // 64-byte batches: one fits the device budget, two the host's, the fourth neither.
+        let mut b = Budget::new(64, 128, &Device::Cpu).unwrap();
+        let mut c = Cache::with_host();
+        for bi in 0..4 {
+            c.put(bi, batch(bi as f32, 4), &mut b).unwrap();
+        }
+        assert_eq!(c.kept(), (1, 2));
+        for bi in 0..3 {
+            let t = c.take(bi, &mut b).unwrap().expect("kept");
+            assert_eq!(values(&t), values(&batch(bi as f32, 4)), "batch {bi}");
+        }
+        assert!(c.take(3, &mut b).unwrap().is_none(), "recomputed");
+        // The next layer reuses the host buffers: the same two batches fit again.
+        let mut c = Cache::with_host();
+        for bi in 0..4 {
+            c.put(bi, batch(10.0 + bi as f32, 4), &mut b).unwrap();
+        }
+        assert_eq!(c.kept(), (1, 2));
+        for bi in 1..3 {
+            let t = c.take(bi, &mut b).unwrap().expect("kept");
+            assert_eq!(values(&t), values(&batch(10.0 + bi as f32, 4)));
+        }
+    }
+
+    #[test]
+    fn a_cache_without_host_memory_and_a_larger_batch_give_smaller_buffers_up() {
+        let mut b = Budget::new(0, 128, &Device::Cpu).unwrap();
+        let mut c = Cache::default();
+        c.put(0, batch(0.0, 4), &mut b).unwrap();
+        assert_eq!(c.kept(), (0, 0), "the MLP activations never go to the host");
+        let mut c = Cache::with_host();
+        c.put(0, batch(0.0, 4), &mut b).unwrap();
+        c.put(1, batch(1.0, 4), &mut b).unwrap();
+        assert_eq!(c.kept(), (0, 2));
+        c.take(0, &mut b).unwrap();
+        c.take(1, &mut b).unwrap();
+        // A length mix: a 128-byte window takes the place of both 64-byte buffers.
+        let mut c = Cache::with_host();
+        c.put(0, batch(5.0, 8), &mut b).unwrap();
+        assert_eq!(c.kept(), (0, 1));
+        let t = c.take(0, &mut b).unwrap().expect("kept");
+        assert_eq!(values(&t), values(&batch(5.0, 8)));
     }
 }

@@ -271,7 +271,7 @@ impl<'a> Run<'a> {
     /// filesystem has.
     fn plan_memory(&self, out: &OutputDir) -> Result<(Preflight, MemoryPlan)> {
         let s = self.s;
-        let preflight = Preflight::estimate(
+        let mut preflight = Preflight::estimate(
             &self.cfg.shape_config(),
             s.nsamples,
             s.seqlen,
@@ -282,8 +282,12 @@ impl<'a> Run<'a> {
             s.method,
             s.mse,
         );
+        let memory = memory_plan(&preflight, s, &self.compute.device);
+        if let Ok(m) = &memory {
+            preflight.seconds += m.recompute_seconds;
+        }
         eprintln!("{}", preflight.line());
-        let memory = memory_plan(&preflight, s, &self.compute.device)?;
+        let memory = memory?;
         eprintln!("{}", memory.line());
         self.check_disk(out, &preflight, &memory)?;
         Ok((preflight, memory))

@@ -121,7 +121,14 @@ pub struct Preflight {
     pub factor_flops: f64,
     /// Bytes of the quantized output (packed, hashed and written).
     pub output_bytes: u64,
-    /// Estimated wall seconds at the effective rates below.
+    /// FLOPs of computing every batch's mixer projections again, and its gate/up products
+    /// again: what a layer cache kept nowhere costs (`MemoryPlan::recompute_seconds`).
+    pub recompute_flops: (f64, f64),
+    /// The effective rates of those recomputations, TFLOP/s (the mixer's includes its
+    /// attention; gate/up's its activation function).
+    pub recompute_rates: (f64, f64),
+    /// Estimated wall seconds at the effective rates below, with the recomputation the memory
+    /// plan leaves (added by `quantize` once the plan is made).
     pub seconds: f64,
     /// The effective rates the estimate assumes: forward, XᵀX and factorization in TFLOP/s,
     /// and everything else (column loop, decode, report, load, setup, the write's tail) in GB
@@ -166,6 +173,12 @@ impl Preflight {
         };
         let output_bytes = (layers.linear_params / 2.0) as u64 + embed_head_bytes;
         let (rates, mse_rate, corr_rate) = effective_rates(device, dtype);
+        let per_pass = |params: f64| 2.0 * params * tokens as f64 * streams as f64;
+        let recompute_flops = (
+            per_pass(layers.mixer_params),
+            per_pass(layers.gate_up_params),
+        );
+        let recompute_rates = recompute_rates(device, dtype);
         let seconds = flops.forward / (rates.0 * 1e12)
             + flops.hessian / (rates.1 * 1e12)
             + flops.factor / (rates.2 * 1e12)
@@ -198,6 +211,8 @@ impl Preflight {
             hessian_flops: flops.hessian,
             factor_flops: flops.factor,
             output_bytes,
+            recompute_flops,
+            recompute_rates,
             seconds,
             assumed_rates: rates,
         }
@@ -238,6 +253,12 @@ struct LayerTotals {
     ks: Vec<f64>,
     /// The largest solve's working set, bytes.
     max_solve: u64,
+    /// Parameters of every layer's mixer projections (q, k, v and the output gate's), which a
+    /// mixer output kept nowhere computes again.
+    mixer_params: f64,
+    /// Parameters of every layer's gate_proj and up_proj, which an MLP activation kept nowhere
+    /// computes again.
+    gate_up_params: f64,
 }
 
 impl LayerTotals {
@@ -247,6 +268,7 @@ impl LayerTotals {
         let mut linear_params = 0f64;
         let mut ks = vec![];
         let mut max_solve = 0u64;
+        let (mut mixer_params, mut gate_up_params) = (0f64, 0f64);
         for i in 0..cfg.num_hidden_layers {
             let mut p = 0u64;
             let mut lin = 0f64;
@@ -264,6 +286,13 @@ impl LayerTotals {
                     {
                         ks.push(k as f64);
                     }
+                    let proj =
+                        |p: &[&str]| p.iter().any(|p| name.ends_with(&format!("{p}.weight")));
+                    if proj(&["q_proj", "k_proj", "v_proj", "z_proj", "o_gate"]) {
+                        mixer_params += n as f64;
+                    } else if proj(&["gate_proj", "up_proj"]) {
+                        gate_up_params += n as f64;
+                    }
                 }
             }
             layer_params = layer_params.max(p);
@@ -274,6 +303,8 @@ impl LayerTotals {
             linear_params,
             ks,
             max_solve,
+            mixer_params,
+            gate_up_params,
         }
     }
 }
@@ -386,6 +417,19 @@ fn effective_rates(device: &Device, dtype: DType) -> ((f64, f64, f64, f64), f64,
     }
 }
 
+/// The effective rates of recomputing a mixer output and an MLP activation, TFLOP/s of the
+/// projections: on an H100, from the 9.5B at 16 × 49,152 tokens with the mixer outputs kept,
+/// in host memory or recomputed (docs/benchmarks.md: 12.1 s for 2.7e15 FLOP of projections with
+/// their attention, 15.8 s for 6.6e15 FLOP of gate/up with SiLU); the forward's rate elsewhere.
+fn recompute_rates(device: &Device, dtype: DType) -> (f64, f64) {
+    let fwd = effective_rates(device, dtype).0 .0;
+    if device.is_cuda() && dtype != DType::F32 {
+        (220.0, 420.0)
+    } else {
+        (fwd, fwd)
+    }
+}
+
 /// Where the hidden states of a run live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -447,6 +491,9 @@ pub struct MemoryPlan {
     pub residency: Residency,
     /// Bytes of host memory the states may take (GPU runs), where known.
     pub host_bytes: Option<u64>,
+    /// Seconds the batches whose caches are kept nowhere cost in recomputation, at the
+    /// preflight's recompute rates.
+    pub recompute_seconds: f64,
 }
 
 impl MemoryPlan {
@@ -519,6 +566,7 @@ impl MemoryPlan {
             budget
         };
         let host_cache_bytes = host_cache_bytes(p, cuda, tier, host, cache_bytes);
+        let recompute_seconds = recompute_seconds(p, cache_bytes, host_cache_bytes);
         Ok(Self {
             device_bytes: device,
             fixed_bytes: fixed,
@@ -530,6 +578,7 @@ impl MemoryPlan {
                 host_cache_bytes,
             },
             host_bytes: host,
+            recompute_seconds,
         })
     }
 
@@ -549,6 +598,11 @@ impl MemoryPlan {
         } else {
             format!("{:.0}% kept, the rest recomputed", pct(r.cache_bytes))
         };
+        let kept = if self.recompute_seconds >= 1.0 {
+            format!("{kept} (about {:.0} s more)", self.recompute_seconds)
+        } else {
+            kept
+        };
         format!(
             "activations: hidden states {:.1} GB {}; layer caches {:.1} GB {kept}",
             self.states_bytes as f64 / 1e9,
@@ -556,6 +610,27 @@ impl MemoryPlan {
             self.caches_bytes as f64 / 1e9,
         )
     }
+}
+
+/// The recomputation a plan leaves: the mixer outputs the device and the host do not keep (the
+/// device budget goes to them first), and the MLP activations the device does not keep (the
+/// whole budget is theirs once the mixer outputs are used), each share of one full pass of the
+/// projections that make it.
+fn recompute_seconds(p: &Preflight, cache_bytes: u64, host_cache_bytes: u64) -> f64 {
+    let mixers = p.hidden_states_bytes * p.streams;
+    let acts = p.layer_cache_bytes.saturating_sub(mixers);
+    let missed = |total: u64, kept: u64| {
+        if total == 0 {
+            0.0
+        } else {
+            1.0 - kept.min(total) as f64 / total as f64
+        }
+    };
+    let mixer = missed(mixers, cache_bytes.saturating_add(host_cache_bytes));
+    let act = missed(acts, cache_bytes);
+    let (fm, fg) = p.recompute_flops;
+    let (rm, rg) = p.recompute_rates;
+    mixer * fm / (rm * 1e12) + act * fg / (rg * 1e12)
 }
 
 /// Host memory for the mixer outputs the GPU budget cannot keep (`cache_bytes` on the device
@@ -721,6 +796,24 @@ mod tests {
                 .host_cache_bytes,
             0
         );
+        // What is kept nowhere is recomputed, and the estimate says what it costs: at the H100's
+        // rates, the gate/up products of the activations the GPU cannot keep. Measured: the
+        // forward of 128 × 49,152 took 430.8 s, 124.4 s more than eight times 16 × 49,152's
+        // with every cache kept (38.3 s; docs/benchmarks.md).
+        let mut p = p.clone();
+        p.recompute_rates = (220.0, 420.0);
+        let big = plan(true, Some(gb(120.0))).unwrap();
+        let secs = recompute_seconds(
+            &p,
+            big.residency.cache_bytes,
+            big.residency.host_cache_bytes,
+        );
+        assert!((secs - 124.4).abs() / 124.4 < 0.1, "{secs} s");
+        assert!(big.line().contains("s more)"), "{}", big.line());
+        // With no host memory the mixers are recomputed too; with everything kept, nothing.
+        let none = recompute_seconds(&p, big.residency.cache_bytes, 0);
+        assert!(none > secs + 30.0, "{none} vs {secs}");
+        assert_eq!(recompute_seconds(&p, u64::MAX, 0), 0.0);
         // 128 × 2,048: the GPU keeps every cache, nothing goes to the host.
         let short = sala9b(128, SeqLen::Fixed(2048), 8);
         let r = MemoryPlan::new(&short, true, Some(gb(80.0)), None, Some(gb(120.0)), None)

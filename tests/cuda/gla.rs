@@ -360,7 +360,11 @@ fn mixer_times_of_the_9b_layers_at_a_long_window() {
         let shape = &shapes[name];
         let std = if shape.len() == 2 { 0.02 } else { 0.0 };
         let t = Tensor::randn(0f32, 1f32, shape.as_slice(), &dev)?;
-        let t = if shape.len() == 2 { (t * std)? } else { t.ones_like()? };
+        let t = if shape.len() == 2 {
+            (t * std)?
+        } else {
+            t.ones_like()?
+        };
         Ok(t.to_dtype(DType::BF16)?)
     };
     let t = 49_152usize;
@@ -410,7 +414,11 @@ fn mixer_times_of_the_9b_layers_at_a_long_window() {
         );
     }
     for (i, kind, proj) in [
-        (1usize, "lightning", &["q_proj", "k_proj", "v_proj", "z_proj"][..]),
+        (
+            1usize,
+            "lightning",
+            &["q_proj", "k_proj", "v_proj", "z_proj"][..],
+        ),
         (0, "sparse", &["q_proj", "k_proj", "v_proj", "o_gate"][..]),
     ] {
         let layer = DecoderLayer::from_tensors(&cfg, i, &get).unwrap();

@@ -978,9 +978,13 @@ fn stage_times_at_a_long_window() {
     let (_, k2) = time("compress k2", &|| {
         infllm::compress_keys(&k, 4 * cfg.kernel_size, 4 * cfg.kernel_stride).unwrap()
     });
-    let (_, scores) = time("block scores", &|| ginf::block_scores(&q, &k1, &k2, &p).unwrap());
+    let (_, scores) = time("block scores", &|| {
+        ginf::block_scores(&q, &k1, &k2, &p).unwrap()
+    });
     let (_, sel) = time("select", &|| ginf::select(&scores, t, &p).unwrap());
-    let (secs, o) = time("attend", &|| ginf::attend(&q, &k, &v, &sel, p.block_size).unwrap());
+    let (secs, o) = time("attend", &|| {
+        ginf::attend(&q, &k, &v, &sel, p.block_size).unwrap()
+    });
     // Keys a row attends: its selected blocks, the last one up to the row itself.
     let keys: f64 = (0..t)
         .map(|i| (cfg.k(i + 1).min(i / cfg.block_size + 1) * cfg.block_size).min(i + 1) as f64)

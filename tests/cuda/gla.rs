@@ -6,6 +6,7 @@
 //! says to skip them. The timings: `cargo test --release --features cuda --test cuda --
 //! --nocapture --test-threads=1`.
 
+use crate::gpu;
 use candle_core::{DType, Device, Tensor};
 use soar_gptq::kernels::gla;
 use soar_gptq::model::gla as cpu;
@@ -17,19 +18,6 @@ const TOL: f32 = 1e-5;
 /// Whether a relative error is within [`TOL`] (NaN is not).
 fn within(e: f32) -> bool {
     e <= TOL
-}
-
-fn gpu() -> Option<Device> {
-    match Device::new_cuda(0) {
-        Ok(d) => Some(d),
-        Err(e) if std::env::var_os("SOAR_GPTQ_SKIP_GPU_TESTS").is_some() => {
-            eprintln!("skipped: no usable GPU ({e})");
-            None
-        }
-        Err(e) => panic!(
-            "no usable GPU for the CUDA Simple-GLA tests ({e}); set SOAR_GPTQ_SKIP_GPU_TESTS=1 to skip"
-        ),
-    }
 }
 
 /// A `[b, t, heads, d]` tensor of standard normals on the CPU: f32 holding `dtype` values (so
@@ -380,17 +368,7 @@ fn mixer_times_of_the_9b_layers_at_a_long_window() {
             f();
         }
         dev.synchronize().unwrap();
-        let finite = out
-            .to_dtype(DType::F32)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-            .is_finite();
-        assert!(finite);
+        assert!(max_abs(&out.to_dtype(DType::F32).unwrap()).is_finite());
         start.elapsed().as_secs_f64() / 3.0 * 1e3
     };
     // The layer's GEMM shapes alone, as `Linear::forward` runs them (x · Wᵀ, BF16).

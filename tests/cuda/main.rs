@@ -7,3 +7,18 @@ mod gla;
 mod infllm;
 mod transfer;
 mod twins;
+
+/// The GPU the tests run on; without one every test fails, unless `SOAR_GPTQ_SKIP_GPU_TESTS=1`
+/// says to skip them (`None`).
+pub fn gpu() -> Option<candle_core::Device> {
+    match candle_core::Device::new_cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) if std::env::var_os("SOAR_GPTQ_SKIP_GPU_TESTS").is_some() => {
+            eprintln!("skipped: no usable GPU ({e})");
+            None
+        }
+        Err(e) => panic!(
+            "no usable GPU for the CUDA twin tests ({e}); set SOAR_GPTQ_SKIP_GPU_TESTS=1 to skip"
+        ),
+    }
+}

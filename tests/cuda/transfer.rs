@@ -3,19 +3,9 @@
 //! come back bit for bit, in any order, through reused buffers, with their sources freed right
 //! after the store.
 
-use candle_core::{DType, Device, Tensor};
+use crate::gpu;
+use candle_core::{DType, Tensor};
 use soar_gptq::kernels::transfer::CopyStream;
-
-fn gpu() -> Option<Device> {
-    match Device::new_cuda(0) {
-        Ok(d) => Some(d),
-        Err(e) if std::env::var_os("SOAR_GPTQ_SKIP_GPU_TESTS").is_some() => {
-            eprintln!("skipped: no usable GPU ({e})");
-            None
-        }
-        Err(e) => panic!("no usable GPU ({e}); set SOAR_GPTQ_SKIP_GPU_TESTS=1 to skip"),
-    }
-}
 
 fn bits(t: &Tensor) -> Vec<u16> {
     t.to_dtype(DType::BF16)

@@ -2,6 +2,7 @@
 //! `--features cuda`; run on a machine with a GPU. Without one every test fails, unless
 //! `SOAR_GPTQ_SKIP_GPU_TESTS=1` says to skip them (a CUDA build checked on a GPU-less machine).
 
+use crate::gpu;
 use candle_core::{DType, Device, Tensor};
 use soar_gptq::format::{self, ModuleCodes};
 use soar_gptq::gptq::{
@@ -9,19 +10,6 @@ use soar_gptq::gptq::{
     QuantParams, QuantizedLinear, SolveOptions,
 };
 use soar_gptq::rng::SplitMix64;
-
-fn gpu() -> Option<Device> {
-    match Device::new_cuda(0) {
-        Ok(d) => Some(d),
-        Err(e) if std::env::var_os("SOAR_GPTQ_SKIP_GPU_TESTS").is_some() => {
-            eprintln!("skipped: no usable GPU ({e})");
-            None
-        }
-        Err(e) => panic!(
-            "no usable GPU for the CUDA twin tests ({e}); set SOAR_GPTQ_SKIP_GPU_TESTS=1 to skip"
-        ),
-    }
-}
 
 /// A `[rows, cols]` tensor of normal values with standard deviation `std`.
 fn normal_tensor(rng: &mut SplitMix64, rows: usize, cols: usize, std: f32) -> Tensor {

@@ -105,6 +105,13 @@ impl HostTier {
         Ok(Some(HostBuf::Plain { cap: n, t: None }))
     }
 
+    #[cfg(feature = "cuda")]
+    fn copies(&self) -> Result<&crate::kernels::transfer::CopyStream> {
+        self.copies
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("internal: page-locked buffers without a copy stream"))
+    }
+
     /// Copies `t` into a host buffer, or gives it back when none is left.
     fn store(&mut self, t: Tensor) -> Result<Option<HostBuf>> {
         let Some(mut buf) = self.buffer(nbytes(&t) as usize)? else {
@@ -113,12 +120,8 @@ impl HostTier {
         match &mut buf {
             #[cfg(feature = "cuda")]
             HostBuf::Pinned(p) => {
-                let c = self
-                    .copies
-                    .as_ref()
-                    .expect("pinned buffers come with a copy stream");
                 // The previous copy's source may be freed now: this one was queued after it.
-                self.pending = Some(c.store(&t, p)?);
+                self.pending = Some(self.copies()?.store(&t, p)?);
             }
             HostBuf::Plain { t: slot, .. } => *slot = Some(t.to_device(&Device::Cpu)?),
         }
@@ -130,13 +133,7 @@ impl HostTier {
     fn load(&mut self, mut buf: HostBuf, device: &Device) -> Result<Loaded> {
         let loaded = match &mut buf {
             #[cfg(feature = "cuda")]
-            HostBuf::Pinned(p) => {
-                let c = self
-                    .copies
-                    .as_ref()
-                    .expect("pinned buffers come with a copy stream");
-                Loaded::InFlight(c.load(p)?)
-            }
+            HostBuf::Pinned(p) => Loaded::InFlight(self.copies()?.load(p)?),
             HostBuf::Plain { t, .. } => Loaded::Ready(
                 t.take()
                     .expect("a stored buffer holds its tensor")

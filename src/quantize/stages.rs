@@ -545,13 +545,11 @@ impl MemoryPlan {
                 };
                 (avail.unwrap_or(u64::MAX), avail.unwrap_or(u64::MAX))
             };
-        let host = if cuda {
-            match (host_free, max_host) {
-                (_, Some(m)) => Some(m),
-                (f, None) => f.map(|f| f - f / 10),
-            }
-        } else {
-            None
+        // Host memory beside a GPU: the cap, else 90% of what is available.
+        let host = match (cuda, max_host) {
+            (false, _) => None,
+            (true, Some(m)) => Some(m),
+            (true, None) => host_free.map(|f| f - f / 10),
         };
         let tier = if states <= budget {
             Tier::Device

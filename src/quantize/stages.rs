@@ -138,6 +138,12 @@ pub struct Preflight {
 }
 
 impl Preflight {
+    /// The mixer outputs of every window, bytes: they have the hidden states' width (heads ×
+    /// head_dim = hidden_size in every config we take), one per stream.
+    pub fn mixer_cache_bytes(&self) -> u64 {
+        self.hidden_states_bytes * self.streams
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub fn estimate(
         cfg: &Config,
@@ -178,7 +184,7 @@ impl Preflight {
             per_pass(layers.mixer_params),
             per_pass(layers.gate_up_params),
         );
-        let recompute_rates = recompute_rates(device, dtype);
+        let recompute_rates = recompute_rates(device, dtype, rates.0);
         let seconds = flops.forward / (rates.0 * 1e12)
             + flops.hessian / (rates.1 * 1e12)
             + flops.factor / (rates.2 * 1e12)
@@ -420,9 +426,9 @@ fn effective_rates(device: &Device, dtype: DType) -> ((f64, f64, f64, f64), f64,
 /// The effective rates of recomputing a mixer output and an MLP activation, TFLOP/s of the
 /// projections: on an H100, from the 9.5B at 16 × 49,152 tokens with the mixer outputs kept,
 /// in host memory or recomputed (docs/benchmarks.md: 12.1 s for 2.7e15 FLOP of projections with
-/// their attention, 15.8 s for 6.6e15 FLOP of gate/up with SiLU); the forward's rate elsewhere.
-fn recompute_rates(device: &Device, dtype: DType) -> (f64, f64) {
-    let fwd = effective_rates(device, dtype).0 .0;
+/// their attention, 15.8 s for 6.6e15 FLOP of gate/up with SiLU); the forward's rate `fwd`
+/// elsewhere.
+fn recompute_rates(device: &Device, dtype: DType, fwd: f64) -> (f64, f64) {
     if device.is_cuda() && dtype != DType::F32 {
         (220.0, 420.0)
     } else {
@@ -563,7 +569,8 @@ impl MemoryPlan {
         } else {
             budget
         };
-        let host_cache_bytes = host_cache_bytes(p, cuda, tier, host, cache_bytes);
+        let states_on_host = if tier == Tier::Host { states } else { 0 };
+        let host_cache_bytes = host_cache_bytes(p, cuda, states_on_host, host, cache_bytes);
         let recompute_seconds = recompute_seconds(p, cache_bytes, host_cache_bytes);
         Ok(Self {
             device_bytes: device,
@@ -615,7 +622,7 @@ impl MemoryPlan {
 /// whole budget is theirs once the mixer outputs are used), each share of one full pass of the
 /// projections that make it.
 fn recompute_seconds(p: &Preflight, cache_bytes: u64, host_cache_bytes: u64) -> f64 {
-    let mixers = p.hidden_states_bytes * p.streams;
+    let mixers = p.mixer_cache_bytes();
     let acts = p.layer_cache_bytes.saturating_sub(mixers);
     let missed = |total: u64, kept: u64| {
         if total == 0 {
@@ -638,7 +645,7 @@ fn recompute_seconds(p: &Preflight, cache_bytes: u64, host_cache_bytes: u64) -> 
 fn host_cache_bytes(
     p: &Preflight,
     cuda: bool,
-    tier: Tier,
+    states_on_host: u64,
     host: Option<u64>,
     cache_bytes: u64,
 ) -> u64 {
@@ -646,15 +653,7 @@ fn host_cache_bytes(
     if !cuda || p.layer_cache_bytes == 0 {
         return 0;
     }
-    // The mixer outputs have the hidden states' width (heads × head_dim = hidden_size in every
-    // config we take), one per stream.
-    let mixers = p.hidden_states_bytes * p.streams;
-    let need = mixers.saturating_sub(cache_bytes);
-    let states_on_host = if tier == Tier::Host {
-        p.hidden_states_bytes * p.streams
-    } else {
-        0
-    };
+    let need = p.mixer_cache_bytes().saturating_sub(cache_bytes);
     let avail = host
         .unwrap_or(0)
         .saturating_sub(states_on_host)

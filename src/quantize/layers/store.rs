@@ -35,6 +35,8 @@ impl Budget {
 /// layer to layer, filled and emptied by copies on a second stream that overlap the
 /// computation (`kernels::transfer::CopyStream`); without a GPU (the unit tests), plain copies.
 struct HostTier {
+    /// Where the tensors come back to.
+    device: Device,
     /// Bytes not yet given to a buffer.
     left: u64,
     free: Vec<HostBuf>,
@@ -73,8 +75,8 @@ impl HostTier {
         } else {
             None
         };
-        let _ = device;
         Ok(Self {
+            device: device.clone(),
             left: bytes,
             free: vec![],
             #[cfg(feature = "cuda")]
@@ -128,16 +130,25 @@ impl HostTier {
         Ok(Some(buf))
     }
 
-    /// Starts bringing `buf`'s tensor back to `device`; the buffer is free again (a later copy
-    /// into it is queued after this one).
-    fn load(&mut self, mut buf: HostBuf, device: &Device) -> Result<Loaded> {
+    /// Lets the device's stream free the source of the last copy to the host once that copy
+    /// is done (the stream waits for it).
+    fn settle(&mut self) {
+        #[cfg(feature = "cuda")]
+        {
+            self.pending = None;
+        }
+    }
+
+    /// Starts bringing `buf`'s tensor back to the device; the buffer is free again (a later
+    /// copy into it is queued after this one).
+    fn load(&mut self, mut buf: HostBuf) -> Result<Loaded> {
         let loaded = match &mut buf {
             #[cfg(feature = "cuda")]
             HostBuf::Pinned(p) => Loaded::InFlight(self.copies()?.load(p)?),
             HostBuf::Plain { t, .. } => Loaded::Ready(
                 t.take()
                     .expect("a stored buffer holds its tensor")
-                    .to_device(device)?,
+                    .to_device(&self.device)?,
             ),
         };
         self.free.push(buf);
@@ -320,7 +331,6 @@ pub struct Cache {
     /// copy there and back costs less than recomputing (the mixer outputs; an MLP activation is
     /// 4× larger and its recomputation is one GEMM).
     host_ok: bool,
-    device: Option<Device>,
 }
 
 enum Kept {
@@ -344,7 +354,6 @@ impl Cache {
         if self.slots.len() <= bi {
             self.slots.resize_with(bi + 1, || None);
         }
-        self.device = Some(t.device().clone());
         if n <= budget.left {
             budget.left -= n;
             self.slots[bi] = Some(Kept::Device(t));
@@ -358,10 +367,7 @@ impl Cache {
     /// host memory also starts bringing back the next batch kept there, so that its copy
     /// overlaps this batch's computation.
     pub fn take(&mut self, bi: usize, budget: &mut Budget) -> Result<Option<Tensor>> {
-        #[cfg(feature = "cuda")]
-        {
-            budget.host.pending = None;
-        }
+        budget.host.settle();
         let Some(kept) = self.slots.get_mut(bi).and_then(Option::take) else {
             return Ok(None);
         };
@@ -370,7 +376,7 @@ impl Cache {
                 budget.left += nbytes(&t);
                 return Ok(Some(t));
             }
-            Kept::Host(buf) => budget.host.load(buf, self.device()?)?,
+            Kept::Host(buf) => budget.host.load(buf)?,
             Kept::Loading(l) => l,
         };
         if let Some(next) =
@@ -379,16 +385,9 @@ impl Cache {
             let Some(Kept::Host(buf)) = self.slots[next].take() else {
                 unreachable!("just matched")
             };
-            let device = self.device()?.clone();
-            self.slots[next] = Some(Kept::Loading(budget.host.load(buf, &device)?));
+            self.slots[next] = Some(Kept::Loading(budget.host.load(buf)?));
         }
         Ok(Some(t.finish()?))
-    }
-
-    fn device(&self) -> Result<&Device> {
-        self.device
-            .as_ref()
-            .ok_or_else(|| anyhow::anyhow!("internal: a cache holds batches but no device"))
     }
 
     /// How many batches are kept (on the device, in host memory).
